@@ -1,0 +1,115 @@
+"""The TRIME training objective and its in-batch memory masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memlm.train.trime import lm_token_loss, memory_mask, trime_token_loss
+
+
+def _batch(n: int = 6, v: int = 5, d: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (n,), generator=g)
+    keys = torch.randn(n, d, generator=g, dtype=torch.float64)
+    return logits, targets, keys
+
+
+def test_empty_memory_equals_vanilla_loss() -> None:
+    logits, targets, keys = _batch()
+    none = torch.zeros(6, 6, dtype=torch.bool)
+    assert torch.allclose(
+        trime_token_loss(logits, targets, keys, none), lm_token_loss(logits, targets), atol=1e-12
+    )
+    # the first token of every segment has an empty local memory
+    vis = memory_mask(torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long), 2, "local")
+    got = trime_token_loss(logits, targets, keys, vis)
+    want = lm_token_loss(logits, targets)
+    assert torch.allclose(got[[0, 2, 4]], want[[0, 2, 4]], atol=1e-12)
+    assert not torch.allclose(got[[1, 3, 5]], want[[1, 3, 5]], atol=1e-6)
+
+
+def test_loss_matches_brute_force() -> None:
+    logits, targets, keys = _batch(seed=3)
+    targets[:] = torch.tensor([1, 1, 2, 1, 2, 0])
+    vis = torch.rand(6, 6, generator=torch.Generator().manual_seed(1)) < 0.5
+    valid = torch.tensor([True, True, False, True, True, True])
+    got = trime_token_loss(logits, targets, keys, vis, valid, tau=0.5)
+    for i in range(6):
+        if not valid[i]:
+            assert got[i].item() == 0.0
+            continue
+        num = math.exp(logits[i, targets[i]].item())
+        den = float(torch.exp(logits[i]).sum())
+        for j in range(6):
+            if vis[i, j] and valid[j]:
+                e = math.exp(float(keys[i] @ keys[j]) / math.sqrt(4) / 0.5)
+                den += e
+                num += e if targets[j] == targets[i] else 0.0
+        assert got[i].item() == pytest.approx(-math.log(num / den), abs=1e-12)
+
+
+def test_memory_masks() -> None:
+    doc = torch.tensor([7, 7, 9])
+    order = torch.tensor([0, 1, 0])
+    local = memory_mask(doc, order, 2, "local").int().tolist()
+    assert local == [
+        [0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+    ]
+    long = memory_mask(doc, order, 2, "long").int().tolist()
+    # segment 1 of doc 7 sees all of segment 0; doc 9 sees only itself
+    assert long == [
+        [0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+    ]
+    ext = memory_mask(doc, order, 2, "ext").int().tolist()
+    assert ext == [
+        [0, 0, 1, 1, 1, 1],
+        [1, 0, 1, 1, 1, 1],
+        [1, 1, 0, 0, 1, 1],
+        [1, 1, 1, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+    ]
+    ext_drop = memory_mask(doc, order, 2, "ext", drop_local=True).int().tolist()
+    assert ext_drop[1] == [0, 0, 1, 1, 1, 1] and ext_drop[5] == [1, 1, 1, 1, 0, 0]
+    with pytest.raises(ValueError):
+        memory_mask(doc, order, 2, "global")  # type: ignore[arg-type]
+
+
+def test_gradients_reach_memory_representations() -> None:
+    logits, targets, keys = _batch(seed=5)
+    targets[:] = torch.tensor([3, 3, 3, 3, 3, 3])
+    keys.requires_grad_(True)
+    doc = torch.tensor([0, 0, 1])
+    order = torch.tensor([0, 1, 0])
+    vis = memory_mask(doc, order, 2, "long")
+    # loss of position 3 only (second token of the second segment of document 0)
+    trime_token_loss(logits, targets, keys, vis)[3].backward()
+    assert keys.grad is not None
+    g = keys.grad.abs().sum(1)
+    # positions 0, 1 (earlier segment) and 2 (local) are its memory; 4, 5 another document
+    assert bool((g[:4] > 0).all()) and g[4:].tolist() == [0.0, 0.0]
+    assert bool(torch.isfinite(keys.grad).all())
+
+
+def test_gradients_finite_with_rows_without_memory() -> None:
+    logits, targets, keys = _batch(seed=6)
+    keys.requires_grad_(True)
+    logits.requires_grad_(True)
+    vis = memory_mask(torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long), 2, "local")
+    trime_token_loss(logits, targets, keys, vis).sum().backward()
+    assert keys.grad is not None and logits.grad is not None
+    assert bool(torch.isfinite(keys.grad).all()) and bool(torch.isfinite(logits.grad).all())
