@@ -1,0 +1,226 @@
+"""Datastore: round trips, segments, crash recovery, truncation, deletion, validation."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memlm.datastore import (
+    CRASH_POINTS,
+    MANIFEST,
+    Datastore,
+    DatastoreError,
+    SimulatedCrash,
+)
+
+DIM = 8
+
+
+def batch(n: int, seed: int, doc: int = 1, day: int = 17_000, pos0: int = 0):
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((n, DIM)).astype(np.float16)
+    values = rng.integers(0, 50_000, n).astype(np.int32)
+    doc_ids = np.full(n, doc, dtype=np.int64)
+    positions = np.arange(pos0, pos0 + n, dtype=np.int32)
+    days = np.full(n, day, dtype=np.int32)
+    return keys, values, doc_ids, positions, days
+
+
+def test_create_append_and_read_back(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path / "ds", dim=DIM)
+    b1 = batch(10, 0, doc=7, day=3)
+    b2 = batch(5, 1, doc=8, day=4, pos0=100)
+    assert ds.append(*b1) == range(0, 10)
+    assert ds.append(*b2) == range(10, 15)
+    assert len(ds) == 15
+    ids = np.array([14, 0, 9, 10])
+    keys = np.concatenate([b1[0], b2[0]])
+    values = np.concatenate([b1[1], b2[1]])
+    np.testing.assert_array_equal(ds.keys(ids), keys[ids])
+    assert ds.keys(ids).dtype == np.float16
+    np.testing.assert_array_equal(ds.values(ids), values[ids])
+    doc_ids, positions, days = ds.provenance(ids)
+    np.testing.assert_array_equal(doc_ids, [8, 7, 7, 8])
+    np.testing.assert_array_equal(positions, [104, 0, 9, 100])
+    np.testing.assert_array_equal(days, [4, 3, 3, 4])
+    assert (doc_ids.dtype, positions.dtype, days.dtype) == (np.int64, np.int32, np.int32)
+
+
+def test_reopen_reads_through_memmap(tmp_path: Path) -> None:
+    b = batch(20, 2)
+    Datastore.open(tmp_path, dim=DIM).append(*b)
+    ds = Datastore.open(tmp_path)
+    assert len(ds) == 20 and ds.dim == DIM
+    np.testing.assert_array_equal(ds.keys(np.arange(20)), b[0])
+    assert isinstance(ds._segment_maps(0)["keys"], np.memmap)
+    # Maps are re-created when the segment grows after they were made.
+    ds.append(*batch(3, 3))
+    np.testing.assert_array_equal(ds.values([20, 21, 22]), batch(3, 3)[1])
+
+
+def test_open_checks_dim_and_requires_it_to_create(tmp_path: Path) -> None:
+    with pytest.raises(DatastoreError, match="no dim given"):
+        Datastore.open(tmp_path / "x")
+    Datastore.open(tmp_path / "x", dim=DIM)
+    with pytest.raises(DatastoreError, match="has dim 8, caller expects 16"):
+        Datastore.open(tmp_path / "x", dim=16)
+
+
+def test_segment_rollover(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=4)
+    b = batch(10, 4)
+    assert ds.append(*[x[:3] for x in b]) == range(0, 3)
+    assert ds.append(*[x[3:] for x in b]) == range(3, 10)  # spans segments 0, 1, 2
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert [s["entries"] for s in manifest["segments"]] == [4, 4, 2]
+    assert (tmp_path / "seg-000002.keys").stat().st_size == 2 * DIM * 2
+    ds = Datastore.open(tmp_path)  # the store keeps its own segment size
+    assert ds.max_segment_entries == 4
+    np.testing.assert_array_equal(ds.keys(np.arange(10)[::-1]), b[0][::-1])
+    chunks = list(ds.iter_chunks(1, 9, chunk=3))
+    assert [(first, len(k)) for first, k, _ in chunks] == [(1, 3), (4, 3), (7, 1), (8, 1)]
+    np.testing.assert_array_equal(np.concatenate([v for _, _, v in chunks]), b[1][1:9])
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_crash_at_each_point_then_reopen(tmp_path: Path, point: str) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=4)
+    before = batch(6, 5)
+    ds.append(*before)
+    sizes_before = {f.name: f.stat().st_size for f in tmp_path.iterdir()}
+    crashing = batch(5, 6, doc=2)  # fills segment 1 and opens segment 2
+    with pytest.raises(SimulatedCrash, match=point):
+        ds.append(*crashing, crash_at=point)
+    with pytest.raises(DatastoreError, match="reopen"):
+        ds.append(*crashing)
+
+    ds = Datastore.open(tmp_path)
+    committed = point == "after_manifest"
+    assert len(ds) == (11 if committed else 6)
+    np.testing.assert_array_equal(ds.keys(np.arange(6)), before[0])
+    if committed:
+        np.testing.assert_array_equal(ds.keys(np.arange(6, 11)), crashing[0])
+    else:
+        # Tails cut back, the new segment's files and the manifest temp file removed.
+        assert {f.name: f.stat().st_size for f in tmp_path.iterdir()} == sizes_before
+        assert ds.append(*batch(2, 7)) == range(6, 8)
+        assert len(Datastore.open(tmp_path)) == 8
+        np.testing.assert_array_equal(Datastore.open(tmp_path).keys([6, 7]), batch(2, 7)[0])
+
+
+def test_reopen_refuses_missing_committed_bytes(tmp_path: Path) -> None:
+    Datastore.open(tmp_path, dim=DIM).append(*batch(4, 8))
+    (tmp_path / "seg-000000.values").write_bytes(b"\0" * 8)
+    with pytest.raises(DatastoreError, match="8 bytes on disk, manifest commits 16"):
+        Datastore.open(tmp_path)
+
+
+def test_truncate(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=4)
+    b = batch(10, 9)
+    ds.append(*b)
+    gen = ds.generation
+    ds.truncate(5)
+    assert len(ds) == 5
+    assert sorted(f.name for f in tmp_path.glob("seg-000002.*")) == []
+    assert (tmp_path / "seg-000001.keys").stat().st_size == 1 * DIM * 2
+    assert ds.unchanged_below(gen) == 5
+    assert ds.unchanged_below(ds.generation) > 10**12
+    with pytest.raises(DatastoreError, match="out of range"):
+        ds.keys([5])
+    c = batch(3, 10)
+    assert ds.append(*c) == range(5, 8)
+    ds = Datastore.open(tmp_path)
+    np.testing.assert_array_equal(ds.keys(np.arange(8)), np.concatenate([b[0][:5], c[0]]))
+    ds.truncate(0)
+    assert len(Datastore.open(tmp_path)) == 0
+    with pytest.raises(DatastoreError, match="truncate"):
+        ds.truncate(1)
+
+
+def test_delete_document_persists(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=4)
+    ds.append(*batch(3, 11, doc=1))
+    ds.append(*batch(4, 12, doc=2))
+    ds.append(*batch(2, 13, doc=1, pos0=3))
+    np.testing.assert_array_equal(ds.entries_of_document(1), [0, 1, 2, 7, 8])
+    assert ds.delete_document(1) == 5
+    assert ds.delete_document(1) == 0
+    assert ds.num_live == 4
+    ds = Datastore.open(tmp_path)
+    assert ds.deleted_documents == {1}
+    np.testing.assert_array_equal(ds.live_mask(np.arange(9)), [0, 0, 0, 1, 1, 1, 1, 0, 0])
+    assert ds.num_live == 4
+    ds.append(*batch(1, 14, doc=1))  # a deleted document stays deleted
+    assert ds.num_live == 4
+    assert ds.stats() == {
+        "entries": 10,
+        "live_entries": 4,
+        "deleted_documents": 1,
+        "bytes_on_disk": sum(f.stat().st_size for f in tmp_path.iterdir()),
+        "dim": DIM,
+        "segments": 3,
+    }
+    # Keys 10 x 8 x 2 + values 4 + doc ids 8 + positions 4 + days 4 bytes, plus the manifest.
+    assert ds.stats()["bytes_on_disk"] == 10 * (16 + 20) + (tmp_path / MANIFEST).stat().st_size
+
+
+def test_bad_inputs_raise(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM)
+    k, v, d, p, t = batch(3, 15)
+    with pytest.raises(DatastoreError, match=r"keys: expected shape \(n, 8\)"):
+        ds.append(k[:, :4], v, d, p, t)
+    with pytest.raises(DatastoreError, match="keys: expected float16 or float32"):
+        ds.append(k.astype(np.int32), v, d, p, t)
+    with pytest.raises(DatastoreError, match="float16 range"):
+        ds.append(np.full((3, DIM), 1e6, dtype=np.float32), v, d, p, t)
+    with pytest.raises(DatastoreError, match=r"values: expected shape \(3,\)"):
+        ds.append(k, v[:2], d, p, t)
+    with pytest.raises(DatastoreError, match="values: expected integers"):
+        ds.append(k, v.astype(np.float32), d, p, t)
+    with pytest.raises(DatastoreError, match="token ids must be >= 0"):
+        ds.append(k, -v - 1, d, p, t)
+    with pytest.raises(DatastoreError, match="positions: values outside the int32 range"):
+        ds.append(k, v, d, p.astype(np.int64) + 2**40, t)
+    with pytest.raises(DatastoreError, match="days: expected integers"):
+        ds.append(k, v, d, p, t.astype(bool))
+    with pytest.raises(DatastoreError, match="ids: expected integers"):
+        ds.keys(np.array([0.5]))
+    with pytest.raises(ValueError, match="crash_at must be one of"):
+        ds.append(k, v, d, p, t, crash_at="nope")
+    assert len(ds) == 0
+    # Scalars broadcast for doc_ids and days; float32 keys are stored as float16.
+    assert ds.append(k.astype(np.float32), v, 5, p, 19_000) == range(0, 3)
+    np.testing.assert_array_equal(ds.provenance([2])[0], [5])
+    np.testing.assert_array_equal(ds.keys([0, 1, 2]), k)
+
+
+def test_reads_during_appends(tmp_path: Path) -> None:
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=16)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                n = len(ds)
+                if n:
+                    got = ds.values(np.arange(n))
+                    # Every value was written as its own global id.
+                    assert np.array_equal(got, np.arange(len(got)))
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(30):
+        k, _, d, p, days = batch(5, i)
+        ds.append(k, np.arange(5 * i, 5 * i + 5), d, p, days)
+    stop.set()
+    t.join()
+    assert errors == []
+    assert len(ds) == 150
