@@ -17,6 +17,7 @@ app = typer.Typer(
 _COMMAND_MODULES = [
     "memlm.cli.corpus_cmd",
     "memlm.cli.eval_cmd",
+    "memlm.cli.train_cmd",
 ]
 
 for _name in _COMMAND_MODULES:

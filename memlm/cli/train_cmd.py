@@ -1,0 +1,95 @@
+"""`memlm train --arch ...`: train a language model on a document stream.
+
+The architecture picks a runner from ``RUNNERS``; a runner is ``"module:function"``
+taking a :class:`memlm.train.TrainRequest` and returning a JSON-able summary.  The
+module is imported only when its architecture is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import typer
+
+# Architecture name -> "module:function".  Add an architecture with one line here.
+RUNNERS: dict[str, str] = {
+    "lstm": "memlm.train.lstm_train:run",
+    "attention": "memlm.train.lstm_train:run",
+    "kv": "memlm.train.lstm_train:run",
+    "kvp": "memlm.train.lstm_train:run",
+    "ngram": "memlm.train.lstm_train:run",
+}
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--set expects key=value, got {p!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def train(
+    arch: str = typer.Option(..., "--arch", help=f"one of: {', '.join(RUNNERS)}"),
+    out: Path = typer.Option(Path("runs/train"), "--out", help="folder for checkpoint + metrics"),
+    objective: str = typer.Option("vanilla", help="training objective (architecture-specific)"),
+    corpus: str = typer.Option("news", help="'news' or a JSONL path"),
+    tokenizer: str = typer.Option("word", help="'word' (numbers -> N, UNK) or 'subword'"),
+    vocab_size: int = typer.Option(10_000, help="word vocabulary size incl. <eos>, <unk>"),
+    seed: int = typer.Option(0),
+    hidden: int | None = typer.Option(None, help="hidden size; default from the budget"),
+    emb: int = typer.Option(64, help="input embedding size"),
+    window: int = typer.Option(5, help="attention window L (attention, kv, kvp)"),
+    ngram: int = typer.Option(4, help="N of the N-gram RNN (2..5)"),
+    steps: int = typer.Option(1000, help="optimizer steps"),
+    max_minutes: float | None = typer.Option(None, help="stop training after this wall time"),
+    batch_size: int = typer.Option(64),
+    bptt: int = typer.Option(20, help="truncated BPTT length / segment length"),
+    lr: float = typer.Option(1e-3),
+    clip: float = typer.Option(5.0, help="gradient-norm clipping"),
+    max_train_tokens: int | None = typer.Option(None, help="train on the leading slice"),
+    max_eval_tokens: int | None = typer.Option(None, help="evaluate on the leading slice"),
+    threads: int | None = typer.Option(None, help="torch threads (default $MEMLM_THREADS)"),
+    cache_dir: Path | None = typer.Option(None, help="default $MEMLM_CACHE_DIR"),
+    set_: list[str] = typer.Option([], "--set", help="extra key=value options"),  # noqa: B006
+) -> None:
+    """Train a language model and print its dev/test perplexity as JSON."""
+    from memlm.train import TrainRequest
+
+    if arch not in RUNNERS:
+        raise typer.BadParameter(f"unknown arch {arch!r}; choose from {', '.join(RUNNERS)}")
+    req = TrainRequest(
+        arch=arch,
+        out=out,
+        objective=objective,
+        corpus=corpus,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        seed=seed,
+        hidden=hidden,
+        emb=emb,
+        window=window,
+        ngram=ngram,
+        steps=steps,
+        max_minutes=max_minutes,
+        batch_size=batch_size,
+        bptt=bptt,
+        lr=lr,
+        clip=clip,
+        max_train_tokens=max_train_tokens,
+        max_eval_tokens=max_eval_tokens,
+        threads=threads,
+        cache_dir=cache_dir,
+        extra=_parse_sets(set_),
+    )
+    module, _, func = RUNNERS[arch].partition(":")
+    summary = getattr(importlib.import_module(module), func)(req)
+    typer.echo(json.dumps(summary, indent=2, default=str))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)

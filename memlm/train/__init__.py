@@ -1,0 +1,39 @@
+"""Training: the shared data pipeline (:mod:`memlm.train.data`) and the LMs trained on it.
+
+:class:`TrainRequest` is what ``memlm train`` hands to an architecture's runner (see
+``RUNNERS`` in :mod:`memlm.cli.train_cmd`); it is kept here, free of heavy imports, so that
+runners do not depend on the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """Options common to every architecture; ``extra`` holds ``--set key=value`` pairs."""
+
+    arch: str
+    out: Path
+    objective: str = "vanilla"
+    corpus: str = "news"
+    tokenizer: str = "word"  # "word" (fixed vocabulary, numbers -> N) or "subword" (SmolLM2)
+    vocab_size: int = 10_000
+    seed: int = 0
+    hidden: int | None = None  # None: derived from the parameter budget, where supported
+    emb: int = 64
+    window: int = 5
+    ngram: int = 4
+    steps: int = 1000
+    max_minutes: float | None = None
+    batch_size: int = 64
+    bptt: int = 20
+    lr: float = 1e-3
+    clip: float = 5.0
+    max_train_tokens: int | None = None
+    max_eval_tokens: int | None = None
+    threads: int | None = None
+    cache_dir: Path | None = None
+    extra: dict[str, str] = field(default_factory=dict)
