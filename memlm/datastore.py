@@ -87,14 +87,16 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_text(path: Path, text: str, *, crash_at: str | None = None) -> None:
     """Write ``text`` to ``path`` via temp file + fsync + os.replace + directory fsync.
 
-    ``crash_at="before_replace"`` stops after the temp file is durable (tests only).
+    With ``crash_at`` set (tests only), raise ``SimulatedCrash(crash_at)`` once the temp
+    file is durable, before the rename.
     """
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    _check_crash(crash_at, "before_replace")
+    if crash_at is not None:
+        raise SimulatedCrash(crash_at)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
