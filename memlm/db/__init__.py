@@ -1,0 +1,1 @@
+"""Storage of the service: SQLAlchemy models, repositories, migrations helpers."""

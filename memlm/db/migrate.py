@@ -1,0 +1,52 @@
+"""Alembic from Python: upgrade, downgrade, current revision, and the start-up check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+from memlm.db.errors import DatabaseNotMigrated
+
+# migrations/ sits beside the package in the repository (and in the Docker image).
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic config for ``url`` using the repository's migrations/ folder."""
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    # env.py reads this attribute first, so a caller's URL wins over the settings.
+    cfg.attributes["url"] = url
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def check_migrated(engine: Engine) -> None:
+    """Raise :class:`DatabaseNotMigrated` unless the schema is at the head revision."""
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise DatabaseNotMigrated(
+            f"database {engine.url.render_as_string(hide_password=True)} is at revision "
+            f"{current or 'none (empty)'}, the code needs {head}: run `memlm db upgrade`"
+        )

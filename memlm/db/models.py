@@ -1,0 +1,136 @@
+"""SQLAlchemy 2 tables: documents, per-day statistics, index builds, the active policy.
+
+Schemas for HTTP live in ``service.schemas``; these classes are storage only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Date,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names so Alembic autogenerate and downgrades agree across databases.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+DOCUMENT_STATUSES = ("pending", "processing", "done", "failed", "forgotten")
+BUILD_STATUSES = ("queued", "building", "done", "failed")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Document(Base):
+    """One ingested document and, once processed, where its entries sit in the datastore."""
+
+    __tablename__ = "documents"
+    __table_args__ = (
+        UniqueConstraint("source", "external_id"),
+        UniqueConstraint("content_hash"),
+        CheckConstraint(_in("status", DOCUMENT_STATUSES), name="status"),
+        # The worker's queue: pending documents in publication order.
+        Index("ix_documents_status_published", "status", "published_at", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source: Mapped[str] = mapped_column(String(200))
+    external_id: Mapped[str | None] = mapped_column(String(200))
+    title: Mapped[str] = mapped_column(String(1000), default="")
+    text: Mapped[str] = mapped_column(Text)
+    # sha256 of the UTF-8 text, hex: the second deduplication key.
+    content_hash: Mapped[str] = mapped_column(String(64))
+    published_at: Mapped[dt.date] = mapped_column(Date)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    claimed_by: Mapped[str | None] = mapped_column(String(200))
+    claimed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    processed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    policy: Mapped[str | None] = mapped_column(String(32))
+    tokens_seen: Mapped[int | None] = mapped_column(Integer)
+    tokens_stored: Mapped[int | None] = mapped_column(Integer)
+    # Datastore entries [entry_start, entry_end) appended for this document.
+    entry_start: Mapped[int | None] = mapped_column(BigInteger)
+    entry_end: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class DayStat(Base):
+    """Counters of one stream day under one policy (MemRate = stored / seen)."""
+
+    __tablename__ = "day_stats"
+
+    day: Mapped[dt.date] = mapped_column(Date, primary_key=True)
+    policy: Mapped[str] = mapped_column(String(32), primary_key=True)
+    documents: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_seen: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_stored: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Entries of this day's documents later removed by DELETE /admin/documents/{id}.
+    entries_forgotten: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class IndexBuild(Base):
+    """A requested or finished index build; ``request_key`` makes requests idempotent."""
+
+    __tablename__ = "index_builds"
+    __table_args__ = (
+        UniqueConstraint("request_key"),
+        CheckConstraint(_in("status", BUILD_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_key: Mapped[str] = mapped_column(String(100))
+    requested_by: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    version: Mapped[str | None] = mapped_column(String(100))
+    entries: Mapped[int | None] = mapped_column(BigInteger)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    requested_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    seconds: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class PolicySetting(Base):
+    """The memorisation policy the worker applies now (a single row, id 1)."""
+
+    __tablename__ = "policy_settings"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    policy: Mapped[str] = mapped_column(String(32))
+    delta: Mapped[float] = mapped_column(Float)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
+    )

@@ -1,0 +1,332 @@
+"""Every database query of memlm lives here; callers commit (one place per unit of work)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from memlm.db.errors import Conflict, NotFound
+from memlm.db.models import DayStat, Document, IndexBuild, PolicySetting
+from memlm.db.session import is_postgres
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class NewDocument:
+    text: str
+    published_at: dt.date
+    source: str
+    external_id: str | None = None
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    id: int
+    status: str
+    duplicate: bool
+
+
+class DocumentRepository:
+    """Documents: ingestion with deduplication, the worker's queue, and results."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def add_many(self, docs: Iterable[NewDocument]) -> list[Accepted]:
+        """Insert documents as pending; a duplicate (same source and external id, or same
+        text) is not inserted and answers the existing document's id and status."""
+        out = []
+        for d in docs:
+            digest = content_hash(d.text)
+            existing = self._find_duplicate(d.source, d.external_id, digest)
+            if existing is None:
+                row = Document(
+                    source=d.source,
+                    external_id=d.external_id,
+                    title=d.title,
+                    text=d.text,
+                    content_hash=digest,
+                    published_at=d.published_at,
+                    meta=dict(d.metadata),
+                    status="pending",
+                )
+                try:
+                    # A savepoint, so a concurrent insert of the same document only costs
+                    # this one row and the lookup below finds the winner.
+                    with self.s.begin_nested():
+                        self.s.add(row)
+                except IntegrityError:
+                    existing = self._find_duplicate(d.source, d.external_id, digest)
+                    if existing is None:
+                        raise
+                else:
+                    out.append(Accepted(row.id, row.status, duplicate=False))
+                    continue
+            out.append(Accepted(existing.id, existing.status, duplicate=True))
+        return out
+
+    def _find_duplicate(self, source: str, external_id: str | None, digest: str) -> Document | None:
+        if external_id is not None:
+            q = select(Document).where(
+                Document.source == source, Document.external_id == external_id
+            )
+            hit = self.s.scalars(q).first()
+            if hit is not None:
+                return hit
+        return self.s.scalars(select(Document).where(Document.content_hash == digest)).first()
+
+    def get(self, doc_id: int) -> Document:
+        doc = self.s.get(Document, doc_id)
+        if doc is None:
+            raise NotFound(f"document {doc_id} does not exist")
+        return doc
+
+    def many(self, ids: Iterable[int]) -> dict[int, Document]:
+        ids = sorted(set(ids))
+        if not ids:
+            return {}
+        return {d.id: d for d in self.s.scalars(select(Document).where(Document.id.in_(ids)))}
+
+    # --- the worker's queue -----------------------------------------------------------------
+
+    def claim_next(self, worker: str) -> Document | None:
+        """Mark the earliest pending document as processing by ``worker`` and return it.
+
+        PostgreSQL: ``FOR UPDATE SKIP LOCKED`` so concurrent workers never wait for or take
+        the same row. SQLite serialises writers; the guarded UPDATE below makes the claim a
+        compare-and-set there too.
+        """
+        q = (
+            select(Document.id)
+            .where(Document.status == "pending")
+            .order_by(Document.published_at, Document.id)
+            .limit(1)
+        )
+        if is_postgres(self.s):
+            q = q.with_for_update(skip_locked=True)
+        doc_id = self.s.scalar(q)
+        if doc_id is None:
+            return None
+        claimed = self.s.execute(
+            update(Document)
+            .where(Document.id == doc_id, Document.status == "pending")
+            .values(status="processing", claimed_by=worker, claimed_at=utcnow())
+        )
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        return self.get(doc_id)
+
+    def release_orphans(self) -> int:
+        """Put every processing document back to pending (their worker is gone)."""
+        res = self.s.execute(
+            update(Document)
+            .where(Document.status == "processing")
+            .values(status="pending", claimed_by=None, claimed_at=None)
+        )
+        return int(res.rowcount)  # type: ignore[attr-defined]
+
+    def committed_end(self) -> int:
+        """End of the datastore prefix owned by committed documents (done or forgotten)."""
+        q = select(func.max(Document.entry_end)).where(Document.status.in_(("done", "forgotten")))
+        return int(self.s.scalar(q) or 0)
+
+    def mark_done(
+        self,
+        doc: Document,
+        *,
+        policy: str,
+        tokens_seen: int,
+        tokens_stored: int,
+        entry_start: int,
+        entry_end: int,
+    ) -> None:
+        doc.status = "done"
+        doc.error = None
+        doc.policy = policy
+        doc.tokens_seen = tokens_seen
+        doc.tokens_stored = tokens_stored
+        doc.entry_start = entry_start
+        doc.entry_end = entry_end
+        doc.processed_at = utcnow()
+
+    def mark_failed(self, doc_id: int, reason: str) -> None:
+        doc = self.get(doc_id)
+        doc.status = "failed"
+        doc.error = reason[:2000]
+        doc.processed_at = utcnow()
+
+    def mark_forgotten(self, doc_id: int) -> Document:
+        doc = self.get(doc_id)
+        if doc.status == "processing":
+            raise Conflict(f"document {doc_id} is being processed; try again in a moment")
+        if doc.status == "forgotten":
+            raise Conflict(f"document {doc_id} is already forgotten")
+        doc.status = "forgotten"
+        return doc
+
+    def counts_by_status(self) -> dict[str, int]:
+        q = select(Document.status, func.count()).group_by(Document.status)
+        return {status: int(n) for status, n in self.s.execute(q)}
+
+    def pending_count(self) -> int:
+        q = select(func.count()).select_from(Document).where(Document.status == "pending")
+        return int(self.s.scalar(q) or 0)
+
+
+class StatsRepository:
+    """Per-day counters; MemRate = tokens stored / tokens seen."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def _row(self, day: dt.date, policy: str) -> DayStat:
+        row = self.s.get(DayStat, (day, policy))
+        if row is None:
+            row = DayStat(
+                day=day,
+                policy=policy,
+                documents=0,
+                tokens_seen=0,
+                tokens_stored=0,
+                entries_forgotten=0,
+            )
+            self.s.add(row)
+        return row
+
+    def add_document(self, day: dt.date, policy: str, tokens_seen: int, tokens_stored: int) -> None:
+        row = self._row(day, policy)
+        row.documents += 1
+        row.tokens_seen += tokens_seen
+        row.tokens_stored += tokens_stored
+
+    def add_forgotten(self, day: dt.date, policy: str, entries: int) -> None:
+        self._row(day, policy).entries_forgotten += entries
+
+    def per_day(self) -> Sequence[DayStat]:
+        return self.s.scalars(select(DayStat).order_by(DayStat.day, DayStat.policy)).all()
+
+
+class BuildRepository:
+    """Index build requests (idempotent by key) and their results."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def enqueue(self, key: str, requested_by: str) -> tuple[IndexBuild, bool]:
+        """Request a build under ``key``; the same key twice gives the first request."""
+        existing = self.s.scalars(select(IndexBuild).where(IndexBuild.request_key == key)).first()
+        if existing is not None:
+            return existing, False
+        row = IndexBuild(request_key=key, requested_by=requested_by, status="queued", params={})
+        try:
+            with self.s.begin_nested():
+                self.s.add(row)
+        except IntegrityError:
+            # Another process inserted the same key between our lookup and insert.
+            winner = self.s.scalars(select(IndexBuild).where(IndexBuild.request_key == key)).one()
+            return winner, False
+        return row, True
+
+    def open_request(self) -> IndexBuild | None:
+        """A queued or running build, if any (manual requests coalesce onto it)."""
+        q = (
+            select(IndexBuild)
+            .where(IndexBuild.status.in_(("queued", "building")))
+            .order_by(IndexBuild.id)
+            .limit(1)
+        )
+        return self.s.scalars(q).first()
+
+    def claim_queued(self) -> IndexBuild | None:
+        q = select(IndexBuild).where(IndexBuild.status == "queued").order_by(IndexBuild.id).limit(1)
+        if is_postgres(self.s):
+            q = q.with_for_update(skip_locked=True)
+        row = self.s.scalars(q).first()
+        if row is not None:
+            row.status = "building"
+            row.started_at = utcnow()
+        return row
+
+    def release_orphans(self) -> int:
+        res = self.s.execute(
+            update(IndexBuild).where(IndexBuild.status == "building").values(status="queued")
+        )
+        return int(res.rowcount)  # type: ignore[attr-defined]
+
+    def finish(
+        self, build_id: int, *, version: str, entries: int, params: dict[str, Any], seconds: float
+    ) -> None:
+        row = self.get(build_id)
+        row.status = "done"
+        row.version = version
+        row.entries = entries
+        row.params = params
+        row.seconds = seconds
+        row.finished_at = utcnow()
+
+    def fail(self, build_id: int, reason: str) -> None:
+        row = self.get(build_id)
+        row.status = "failed"
+        row.error = reason[:2000]
+        row.finished_at = utcnow()
+
+    def get(self, build_id: int) -> IndexBuild:
+        row = self.s.get(IndexBuild, build_id)
+        if row is None:
+            raise NotFound(f"index build {build_id} does not exist")
+        return row
+
+    def active(self) -> IndexBuild | None:
+        """The newest finished build: the index the server should serve."""
+        q = (
+            select(IndexBuild)
+            .where(IndexBuild.status == "done")
+            .order_by(IndexBuild.finished_at.desc(), IndexBuild.id.desc())
+            .limit(1)
+        )
+        return self.s.scalars(q).first()
+
+    def recent(self, n: int = 10) -> Sequence[IndexBuild]:
+        return self.s.scalars(select(IndexBuild).order_by(IndexBuild.id.desc()).limit(n)).all()
+
+
+class PolicyRepository:
+    """The active memorisation policy (one row); seeded from the settings."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+
+    def get(self, *, default_policy: str, default_delta: float) -> PolicySetting:
+        row = self.s.get(PolicySetting, 1)
+        if row is None:
+            row = PolicySetting(id=1, policy=default_policy, delta=default_delta, params={})
+            self.s.add(row)
+            self.s.flush()
+        return row
+
+    def set(self, policy: str, delta: float, params: dict[str, Any]) -> PolicySetting:
+        row = self.s.get(PolicySetting, 1)
+        if row is None:
+            row = PolicySetting(id=1, policy=policy, delta=delta, params=params)
+            self.s.add(row)
+        else:
+            row.policy, row.delta, row.params = policy, delta, params
+            row.updated_at = utcnow()
+        self.s.flush()
+        return row

@@ -1,0 +1,49 @@
+"""Database engines and sessions: SQLite (embedded default) or PostgreSQL by URL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """A SQLAlchemy engine; SQLite gets WAL and a busy timeout so API and worker can share it."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30}, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            # WAL lets the API read while the worker writes; NORMAL is durable at checkpoints
+            # and commits survive a process crash (only power loss can lose the last ones).
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+            # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin, so
+            # SAVEPOINTs work (SQLAlchemy's documented pysqlite recipe).
+            dbapi_conn.isolation_level = None
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            # IMMEDIATE: take the write lock up front; a deferred read-then-write transaction
+            # can fail with SQLITE_BUSY in WAL mode when another process wrote meanwhile.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def is_postgres(session_or_engine: Session | Engine) -> bool:
+    bind = (
+        session_or_engine.get_bind()
+        if isinstance(session_or_engine, Session)
+        else session_or_engine
+    )
+    return bind.dialect.name == "postgresql"

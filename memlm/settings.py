@@ -1,0 +1,124 @@
+"""One typed settings object for the service, the workers and the scheduler.
+
+Every field reads ``MEMLM_<NAME>`` from the environment (or a ``.env`` file in the
+working directory). It is validated once at start-up and passed in; nothing reads
+the environment elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The development default for both tokens; refused when ``env`` is not "development".
+DEFAULT_SECRET = "change-me"
+
+POLICIES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+
+
+class Settings(BaseSettings):
+    """Configuration of the memlm service (env prefix ``MEMLM_``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MEMLM_", env_file=".env", extra="ignore", validate_default=True
+    )
+
+    env: Literal["development", "test", "production"] = "development"
+
+    # --- storage --------------------------------------------------------------------------
+    data_dir: Path = Path("memlm-data")
+    # None means the embedded default: sqlite:///<data_dir>/memlm.sqlite
+    database_url: str | None = None
+
+    # --- model and memory -----------------------------------------------------------------
+    model: str = "smollm2-135m"
+    policy: str = "monim"
+    # MoNIM threshold on log p(x_t); -1.5 is the paper's default (DESIGN.md).
+    delta: float = -1.5
+    randmem_rate: float = Field(0.3, ge=0.0, le=1.0)
+    # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
+    knn_k: int | None = Field(None, ge=1)
+    knn_temperature: float | None = Field(None, gt=0)
+    knn_lambda: float | None = Field(None, ge=0.0, le=1.0)
+    # torch threads; honours MEMLM_THREADS, None lets torch decide.
+    threads: int | None = Field(None, ge=1)
+
+    # --- scheduling -----------------------------------------------------------------------
+    # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
+    rebuild_cron: str = "0 3 * * *"
+    worker_poll_seconds: float = Field(2.0, gt=0)
+    # A document claimed longer ago than this by a worker that stopped is claimed again.
+    claim_timeout_seconds: float = Field(900.0, gt=0)
+    # How often the API checks for a new index version and new datastore entries.
+    index_poll_seconds: float = Field(5.0, gt=0)
+
+    # --- HTTP -----------------------------------------------------------------------------
+    ingest_token: SecretStr = SecretStr(DEFAULT_SECRET)
+    admin_token: SecretStr = SecretStr(DEFAULT_SECRET)
+    # Require the ingest token for /predict and /score as well.
+    protect_read: bool = False
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_documents_per_request: int = Field(256, ge=1)
+    max_text_chars: int = Field(200_000, ge=1)
+    max_context_chars: int = Field(20_000, ge=1)
+    # Requests waiting for the model; beyond this the API answers 429.
+    queue_size: int = Field(64, ge=1)
+    # Concurrent /predict requests answered by one pass of the executor.
+    max_batch: int = Field(8, ge=1)
+    retry_after_seconds: int = Field(1, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(POLICIES)}")
+        return v
+
+    @field_validator("rebuild_cron")
+    @classmethod
+    def _five_fields(cls, v: str) -> str:
+        if len(v.split()) != 5:
+            raise ValueError("rebuild_cron needs 5 fields: minute hour day month weekday")
+        return v
+
+    @field_validator("database_url")
+    @classmethod
+    def _supported_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("sqlite", "postgresql")):
+            raise ValueError("database_url must be a sqlite:// or postgresql+psycopg:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _no_default_secret_outside_development(self) -> Settings:
+        if self.env != "development":
+            for name in ("ingest_token", "admin_token"):
+                if getattr(self, name).get_secret_value() == DEFAULT_SECRET:
+                    raise ValueError(
+                        f"MEMLM_{name.upper()} is the development default; "
+                        f"set a real secret when MEMLM_ENV={self.env}"
+                    )
+        return self
+
+    @property
+    def db_url(self) -> str:
+        """The database URL, defaulting to a SQLite file in the data directory."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'memlm.sqlite').resolve()}"
+
+    @property
+    def datastore_dir(self) -> Path:
+        return self.data_dir / "memory"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.data_dir / "datastore.lock"
+
+    def uses_default_secret(self) -> bool:
+        return any(
+            getattr(self, n).get_secret_value() == DEFAULT_SECRET
+            for n in ("ingest_token", "admin_token")
+        )
