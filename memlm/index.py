@@ -210,21 +210,57 @@ def _new_index(params: IndexParams, dim: int) -> faiss.Index:
     return index
 
 
-def _to_gpu(index: faiss.Index) -> tuple[faiss.Index, Any] | None:
-    """Clone to GPU 0, or None when that fails (e.g. an m faiss-gpu does not support)."""
-    try:
+def _fill(
+    ds: Datastore,
+    live: npt.NDArray[np.int64],
+    params: IndexParams,
+    dim: int,
+    chunk: int,
+    progress: bool,
+    *,
+    gpu: bool,
+    crash_at: str | None,
+) -> tuple[faiss.Index, float, float]:
+    """Train (IVF-PQ) and add the ``live`` ids; returns (CPU index, train s, add s)."""
+    index = _new_index(params, dim)
+    work, res = index, None
+    if gpu:
         res = faiss.StandardGpuResources()
         opts = faiss.GpuClonerOptions()
         opts.useFloat16 = True  # 64-byte codes need float16 lookup tables on the GPU
-        return faiss.index_cpu_to_gpu(res, 0, index, opts), res
-    except Exception:  # noqa: BLE001 - any GPU failure means "build on the CPU"
-        log.warning("could not clone the index to the GPU; building on the CPU", exc_info=True)
-        return None
+        work = faiss.index_cpu_to_gpu(res, 0, index, opts)
+
+    t0 = time.perf_counter()
+    if params.kind == "ivfpq":
+        rng = np.random.default_rng(params.seed)
+        sample = np.sort(rng.choice(live, size=min(len(live), params.train_size), replace=False))
+        work.train(ds.keys(sample).astype(np.float32))  # (ntrain, d)
+        del sample
+    train_seconds = time.perf_counter() - t0
+    if crash_at == "after_train":
+        raise SimulatedCrash(crash_at)
+
+    t0 = time.perf_counter()
+    upto = int(live[-1]) + 1 if len(live) else 0
+    with tqdm(total=upto, desc="index add", unit="key", disable=not progress) as bar:
+        for first, keys, _ in ds.iter_chunks(0, upto, chunk):
+            # The live set was fixed at the snapshot: deletions during the build are
+            # filtered at search time like any later deletion.
+            lo, hi = np.searchsorted(live, [first, first + len(keys)])
+            ids = live[lo:hi]
+            if len(ids):
+                work.add_with_ids(keys[ids - first].astype(np.float32), ids)
+            bar.update(len(keys))
+    add_seconds = time.perf_counter() - t0
+    if gpu:
+        index = faiss.index_gpu_to_cpu(work)
+    del res
+    return index, train_seconds, add_seconds
 
 
 def _live_ids(ds: Datastore, upto: int) -> npt.NDArray[np.int64]:
     ids = np.arange(upto, dtype=np.int64)
-    if not ds.deleted_documents or upto == 0:
+    if not ds.num_deleted_documents or upto == 0:
         return ids
     return ids[ds.live_mask(ids)]
 
@@ -264,35 +300,20 @@ def build_index(
             f"IVF-PQ with nlist={params.nlist} needs >= {max(params.nlist, 2**params.nbits)} "
             f"live entries, the snapshot has {len(live)}; use IndexParams.for_size"
         )
-    index = _new_index(params, dim)
-    gpu = _to_gpu(index) if _gpu_available(use_gpu) else None
-    work = gpu[0] if gpu is not None else index
-
-    t0 = time.perf_counter()
-    if params.kind == "ivfpq":
-        rng = np.random.default_rng(params.seed)
-        ntrain = min(len(live), params.train_size)
-        sample = np.sort(rng.choice(live, size=ntrain, replace=False))
-        work.train(datastore.keys(sample).astype(np.float32))
-        del sample
-    train_seconds = time.perf_counter() - t0
-    if crash_at == "after_train":
-        raise SimulatedCrash(crash_at)
-
-    t0 = time.perf_counter()
-    deleted = bool(datastore.deleted_documents)
-    with tqdm(total=upto, desc="index add", unit="key", disable=not progress) as bar:
-        for first, keys, _ in datastore.iter_chunks(0, upto, chunk):
-            ids = np.arange(first, first + len(keys), dtype=np.int64)
-            if deleted:
-                mask = datastore.live_mask(ids)
-                keys, ids = keys[mask], ids[mask]
-            if len(ids):
-                work.add_with_ids(keys.astype(np.float32), ids)
-            bar.update(len(mask) if deleted else len(ids))
-    add_seconds = time.perf_counter() - t0
-    if gpu is not None:
-        index = faiss.index_gpu_to_cpu(work)
+    index = None
+    if params.kind == "ivfpq" and _gpu_available(use_gpu):
+        try:
+            index, train_seconds, add_seconds = _fill(
+                datastore, live, params, dim, chunk, progress, gpu=True, crash_at=crash_at
+            )
+        except SimulatedCrash:
+            raise
+        except Exception:  # noqa: BLE001 - e.g. an m or memory size faiss-gpu refuses
+            log.warning("GPU build failed; building on the CPU", exc_info=True)
+    if index is None:
+        index, train_seconds, add_seconds = _fill(
+            datastore, live, params, dim, chunk, progress, gpu=False, crash_at=crash_at
+        )
     if crash_at == "after_add":
         raise SimulatedCrash(crash_at)
     assert index.ntotal == len(live), (index.ntotal, len(live))
@@ -361,11 +382,13 @@ class _RWLock:
         self._cond = threading.Condition()
         self._readers = 0
         self._writer = False
+        self._waiting_writers = 0  # new readers wait for them: a stream of searches
+        # must not starve refresh()
 
     @contextmanager
     def read(self) -> Iterator[None]:
         with self._cond:
-            while self._writer:
+            while self._writer or self._waiting_writers:
                 self._cond.wait()
             self._readers += 1
         try:
@@ -379,8 +402,10 @@ class _RWLock:
     @contextmanager
     def write(self) -> Iterator[None]:
         with self._cond:
+            self._waiting_writers += 1
             while self._writer or self._readers:
                 self._cond.wait()
+            self._waiting_writers -= 1
             self._writer = True
         try:
             yield
@@ -518,7 +543,7 @@ class MemoryIndex:
             raise ValueError(f"k must be >= 1, got {k}")
         st = self._state  # one consistent state for the whole call
         nq = q.shape[0]
-        total = self.num_entries
+        total = int((0 if st.built is None else st.built.ntotal) + st.fresh.ntotal)
         fetch = k
         while True:
             dist, ids = self._search_once(st, q, fetch, rerank)

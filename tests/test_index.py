@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -310,3 +311,45 @@ def test_search_validates_queries(ds: Datastore, tmp_path: Path) -> None:
         mem.search(np.zeros((2, 3), np.float32), 1)
     with pytest.raises(ValueError, match="k must be >= 1"):
         mem.search(np.zeros((2, DIM), np.float32), 0)
+
+
+def test_deletion_during_build_keeps_snapshot(
+    ds: Datastore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill(ds, 900, 25, n_docs=4)
+    live_at_snapshot = ds.num_live
+    real = ds.iter_chunks
+
+    def deleting_iter_chunks(
+        start: int = 0, stop: int | None = None, chunk: int = 65536
+    ) -> Iterator[tuple[int, npt.NDArray[np.float16], npt.NDArray[np.int32]]]:
+        for i, item in enumerate(real(start, stop, chunk)):
+            if i == 1:
+                ds.delete_document(2)
+            yield item
+
+    monkeypatch.setattr(ds, "iter_chunks", deleting_iter_chunks)
+    info = build_index(ds, tmp_path / "ix", FLAT, progress=False, chunk=200)
+    monkeypatch.undo()
+    assert info.entries == live_at_snapshot  # the snapshot's live set, not a mixture
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    q = queries(10, 26)
+    d, i = mem.search(q, 30)
+    bd, bi = brute_force(ds, q, 30)  # document 2 is filtered at search time
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_allclose(d, bd, rtol=1e-5)
+
+
+def test_use_gpu_true_falls_back_to_cpu(tmp_path: Path) -> None:
+    dim = 8
+    ds = Datastore.open(tmp_path / "ds", dim=dim)
+    ds.append(
+        clustered(1000, dim, 27, n_clusters=10), np.zeros(1000, np.int64), 1, np.arange(1000), 0
+    )
+    params = IndexParams(kind="ivfpq", nlist=8, m=2, nprobe=8, train_size=1000)
+    info = build_index(ds, tmp_path / "ix", params, use_gpu=True, progress=False)
+    assert (info.version, info.entries) == (1, 1000)
+    q = ds.keys(np.arange(5)).astype(np.float32)
+    d, i = MemoryIndex(ds, tmp_path / "ix").search(q, 1)
+    np.testing.assert_array_equal(i[:, 0], np.arange(5))  # each key finds itself
+    np.testing.assert_array_equal(d[:, 0], np.zeros(5, np.float32))

@@ -1,0 +1,146 @@
+"""Benchmark the memory index: build time, query time, recall vs exact, bytes per entry.
+
+Synthetic clustered keys (float16, like the datastore) stand in for LM keys. For each N
+the datastore is filled, ``build_index`` runs with ``IndexParams.for_size(N, dim)`` (flat
+below 50k, IVF-PQ above), and queries (data points plus noise) are searched through
+``MemoryIndex`` batched (one call) and one at a time. Recall@k is against an exact flat
+search over the same keys.
+
+    heavy python benchmarks/bench_index.py                       # default, ~2-3 min
+    heavy python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
+
+Threads: ``--threads``, else MEMLM_THREADS (``heavy`` sets 1), else faiss's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+import numpy.typing as npt
+
+from memlm.datastore import Datastore
+from memlm.index import IndexParams, MemoryIndex, build_index
+
+
+def make_keys(
+    n: int, dim: int, n_clusters: int, seed: int, chunk: int = 100_000
+) -> tuple[npt.NDArray[np.float32], list[npt.NDArray[np.float16]]]:
+    """Cluster centres and chunks of clustered float16 keys (norm spread like LM keys)."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((n_clusters, dim)).astype(np.float32) * 2.0
+    # Cluster sizes follow a Zipf-like law, as token contexts do.
+    weights = 1.0 / np.arange(1, n_clusters + 1) ** 0.8
+    weights /= weights.sum()
+    chunks = []
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        c = rng.choice(n_clusters, size=m, p=weights)
+        x = centers[c] + rng.standard_normal((m, dim), dtype=np.float32)
+        chunks.append(x.astype(np.float16))
+    return centers, chunks
+
+
+def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
+    hits = sum(len(np.intersect1d(f[f >= 0], t)) for f, t in zip(found, truth, strict=True))
+    return hits / truth.size
+
+
+def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, object]:
+    dim, k = args.dim, args.k
+    _, chunks = make_keys(n, dim, args.clusters, seed=n)
+    ds = Datastore.open(workdir / f"ds-{n}", dim=dim)
+    for i, x in enumerate(chunks):
+        m = len(x)
+        ds.append(x, np.zeros(m, np.int32), i, np.arange(m), 0)
+    params = IndexParams.for_size(n, dim)
+    t0 = time.perf_counter()
+    info = build_index(ds, workdir / f"ix-{n}", params, progress=False)
+    build_s = time.perf_counter() - t0
+    mem = MemoryIndex(ds, workdir / f"ix-{n}")
+
+    rng = np.random.default_rng(1)
+    qi = np.sort(rng.choice(n, size=args.queries, replace=False))
+    q = ds.keys(qi).astype(np.float32) + rng.standard_normal((args.queries, dim)).astype(
+        np.float32
+    ) * np.float32(args.query_noise)
+
+    # Exact ground truth: a flat index over the same float16 keys, one batched call.
+    exact = faiss.IndexFlatL2(dim)
+    for x in chunks:
+        exact.add(x.astype(np.float32))
+    _, truth = exact.search(q, k)
+    del exact
+
+    mem.search(q[:2], k)  # warm up (page cache, lazy allocations)
+    row: dict[str, object] = {
+        "N": n,
+        "kind": params.kind,
+        "nlist/m/nprobe": (
+            "-" if params.kind == "flat" else f"{params.nlist}/{params.m}/{params.nprobe}"
+        ),
+        "build s": build_s,
+        "train s": info.train_seconds,
+        "add s": info.add_seconds,
+        "index B/entry": (info.path / "index.faiss").stat().st_size / n,
+        "store B/entry": ds.stats()["bytes_on_disk"] / n,
+    }
+    modes = [False, True] if params.kind == "ivfpq" else [False]
+    for rerank in modes:
+        tag = " +rr" if rerank else ""
+        t0 = time.perf_counter()
+        _, ids = mem.search(q, k, rerank=rerank)
+        row[f"batch ms/q{tag}"] = (time.perf_counter() - t0) * 1000 / len(q)
+        t0 = time.perf_counter()
+        for j in range(args.single):
+            mem.search(q[j : j + 1], k, rerank=rerank)
+        row[f"single ms/q{tag}"] = (time.perf_counter() - t0) * 1000 / args.single
+        row[f"recall@{k}{tag}"] = recall(ids, truth)
+    return row
+
+
+def fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="20000,100000", help="comma-separated N")
+    ap.add_argument("--dim", type=int, default=576, help="key dimension (SmolLM2: 576)")
+    ap.add_argument("--k", type=int, default=256, help="neighbours per query")
+    ap.add_argument("--queries", type=int, default=64, help="queries in the batched call")
+    ap.add_argument("--single", type=int, default=8, help="queries timed one at a time")
+    ap.add_argument("--clusters", type=int, default=1000)
+    ap.add_argument("--query-noise", type=float, default=0.5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep files here")
+    args = ap.parse_args()
+    threads = args.threads or int(os.environ.get("MEMLM_THREADS", "0")) or None
+    if threads:
+        faiss.omp_set_num_threads(threads)
+    print(
+        f"# dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
+        f"clusters={args.clusters} threads={threads or faiss.omp_get_max_threads()} "
+        f"faiss={faiss.__version__} load-avg(1m) before={os.getloadavg()[0]:.2f}"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for n in (int(s) for s in args.sizes.split(",")):
+            rows.append(bench_one(args, n, Path(tmp)))
+            print(f"# N={n} done, load-avg(1m)={os.getloadavg()[0]:.2f}", flush=True)
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c, "-")) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
