@@ -1,0 +1,121 @@
+"""kNN-LM: the neighbour distribution and its interpolation with the LM.
+
+p_kNN(y) is proportional to the sum of exp(-d_i / T) over the retrieved neighbours whose
+value is y (d_i squared L2, as FAISS returns it), and
+p(y) = (1 - lambda) p_LM(y) + lambda p_kNN(y).
+Rows without any neighbour (an empty memory) fall back to the plain LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KnnParams:
+    """Retrieval and interpolation settings."""
+
+    k: int = 64  # neighbours per token; MoNIM used 1024, 64 keeps CPU search cheap
+    temperature: float = 5.0  # divides squared-L2 distances; SmolLM2 key distances are ~10-60
+    lmbda: float = 0.25  # weight of p_kNN; the usual kNN-LM value on in-domain text
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError("k must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError("lambda must be in [0, 1]")
+
+
+def neighbour_log_weights(distances: np.ndarray, ids: np.ndarray, temperature: float) -> np.ndarray:
+    """Normalised log-weights log softmax(-d/T) over valid neighbours; -inf for padding.
+
+    distances, ids: (n, k); ids == -1 marks padding.  Rows with no valid neighbour are
+    all -inf.
+    """
+    logits = np.where(ids >= 0, -distances.astype(np.float64) / temperature, -np.inf)
+    m = logits.max(axis=1, keepdims=True)
+    safe_m = np.where(np.isfinite(m), m, 0.0)
+    z = np.log(np.exp(logits - safe_m).sum(axis=1, keepdims=True)) + safe_m
+    return np.where(np.isfinite(m), logits - z, -np.inf)
+
+
+def knn_logprob(
+    distances: np.ndarray,
+    ids: np.ndarray,
+    values: np.ndarray,
+    tokens: np.ndarray,
+    temperature: float,
+) -> np.ndarray:
+    """log p_kNN(tokens[i, j]) for row i; distances/ids/values (n, k), tokens (n, m)."""
+    lw = neighbour_log_weights(distances, ids, temperature)  # (n, k)
+    w = np.exp(lw)  # zero for padding
+    match = values[:, None, :] == tokens[:, :, None]  # (n, m, k)
+    p = (match * w[:, None, :]).sum(axis=2)
+    with np.errstate(divide="ignore"):
+        return np.log(p)
+
+
+def has_neighbours(ids: np.ndarray) -> np.ndarray:
+    """(n,) bool: the row has at least one valid neighbour."""
+    return (ids >= 0).any(axis=1)
+
+
+def interpolate(
+    lm_logprob: np.ndarray, knn_lp: np.ndarray, lmbda: float | np.ndarray, valid: np.ndarray
+) -> np.ndarray:
+    """log((1 - l) p_LM + l p_kNN), elementwise; rows with valid == False keep the LM.
+
+    lm_logprob, knn_lp: (n, ...) ; lmbda scalar or (n,) ; valid (n,).
+    """
+    lam = np.asarray(lmbda, dtype=np.float64)
+    shape = (-1,) + (1,) * (lm_logprob.ndim - 1)
+    if lam.ndim == 1:
+        lam = lam.reshape(shape)
+    v = valid.reshape(shape)
+    lam = np.where(v, lam, 0.0)
+    with np.errstate(divide="ignore"):
+        a = np.log1p(-lam) + lm_logprob
+        b = np.log(lam) + knn_lp
+    return np.logaddexp(a, b)
+
+
+@dataclass
+class AugmentedScores:
+    """Augmented-model quantities the policies need, per token."""
+
+    target_logprob: np.ndarray  # (n,) log p(x_t) under the augmented model
+    max_logprob: np.ndarray  # (n,) max_y log p(y) under the augmented model
+
+
+def augmented_scores(
+    target_lm_logprob: np.ndarray,
+    top_lm_logprob: np.ndarray,
+    top_id: np.ndarray,
+    targets: np.ndarray,
+    distances: np.ndarray,
+    ids: np.ndarray,
+    values: np.ndarray,
+    value_lm_logprob: np.ndarray,
+    params: KnnParams,
+) -> AugmentedScores:
+    """Score the gold token and find the augmented model's best token.
+
+    The arg max of (1 - l) p_LM + l p_kNN is either the LM's top-1 or one of the neighbour
+    values, so those k + 1 candidates give the exact maximum.  ``value_lm_logprob`` (n, k)
+    holds log p_LM of each neighbour value (Encoder.logprobs_for).
+    """
+    valid = has_neighbours(ids)
+    cand = np.concatenate([targets[:, None], top_id[:, None], values], axis=1)  # (n, k+2)
+    cand_lm = np.concatenate(
+        [target_lm_logprob[:, None], top_lm_logprob[:, None], value_lm_logprob], axis=1
+    )
+    knn = knn_logprob(distances, ids, values, cand, params.temperature)
+    aug = interpolate(cand_lm, knn, params.lmbda, valid)
+    # padding neighbours (id -1) are not real candidates
+    pad = np.concatenate([np.zeros((len(ids), 2), bool), ids < 0], axis=1)
+    aug_c = np.where(pad, -np.inf, aug)
+    return AugmentedScores(target_logprob=aug[:, 0], max_logprob=aug_c.max(axis=1))

@@ -1,0 +1,130 @@
+"""Memorisation policies: which (key -> next token) pairs enter the datastore.
+
+Each policy maps per-token scores to a boolean "store" mask:
+
+- FullMem stores every token.
+- RandMem stores a seeded random fraction ``rate``.
+- MoNIM stores x_t when log p(x_t | x_<t) < delta under the augmented model over the memory
+  served at that time (the plain LM while the memory is empty); delta = -1.5.
+- MoNIM + AMT uses delta_t = delta / (max_y log(p(y) / p(x_t)) + 0.5): a token that is already
+  the top-1 faces 2 * delta, a badly ranked one a looser threshold.
+- MoNIM(KL) (MoNIM App. C.1) looks at the information the key itself carries about x_t: the
+  cross-entropy of softmax(E key) on x_t, E the output embedding.  The paper writes the rule
+  as "KL < delta"; read literally with delta < 0 it would store nothing, and it contradicts
+  the paper's own rationale (store what is new), so we store when the key's log-probability
+  of x_t is below delta, i.e. -CE < delta, the same orientation as the loss rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+DEFAULT_DELTA = -1.5
+
+
+@dataclass
+class TokenScores:
+    """What a policy may look at, per token of one document."""
+
+    target_logprob: np.ndarray  # (n,) log p(x_t) under the augmented model
+    max_logprob: np.ndarray  # (n,) max_y log p(y) under the augmented model
+    key_ce: np.ndarray  # (n,) -log softmax(E key)[x_t] (NaN when not computed)
+
+    def __len__(self) -> int:
+        return int(self.target_logprob.shape[0])
+
+
+class Policy(Protocol):
+    name: str
+    needs_augmented: bool  # whether the memory must be searched to decide
+    needs_key_ce: bool
+
+    def decide(self, scores: TokenScores) -> np.ndarray: ...
+
+
+@dataclass
+class FullMem:
+    name: str = "fullmem"
+    needs_augmented: bool = False
+    needs_key_ce: bool = False
+
+    def decide(self, scores: TokenScores) -> np.ndarray:
+        return np.ones(len(scores), dtype=bool)
+
+
+class RandMem:
+    """Stores each token with probability ``rate``; a seeded stream, so runs repeat."""
+
+    needs_augmented = False
+    needs_key_ce = False
+
+    def __init__(self, rate: float, seed: int = 0, name: str = "randmem"):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError("rate must be in [0, 1]")
+        self.name, self.rate, self.seed = name, rate, seed
+        self._rng = np.random.default_rng(seed)
+
+    def decide(self, scores: TokenScores) -> np.ndarray:
+        return self._rng.random(len(scores)) < self.rate
+
+
+@dataclass
+class MoNIM:
+    delta: float = DEFAULT_DELTA
+    name: str = "monim"
+    needs_augmented: bool = True
+    needs_key_ce: bool = False
+
+    def decide(self, scores: TokenScores) -> np.ndarray:
+        return scores.target_logprob < self.delta
+
+
+@dataclass
+class MoNIMAMT:
+    delta: float = DEFAULT_DELTA
+    name: str = "monim-amt"
+    needs_augmented: bool = True
+    needs_key_ce: bool = False
+
+    def thresholds(self, scores: TokenScores) -> np.ndarray:
+        gap = scores.max_logprob - scores.target_logprob  # >= 0
+        return self.delta / (np.maximum(gap, 0.0) + 0.5)
+
+    def decide(self, scores: TokenScores) -> np.ndarray:
+        return scores.target_logprob < self.thresholds(scores)
+
+
+@dataclass
+class MoNIMKL:
+    delta: float = DEFAULT_DELTA
+    name: str = "monim-kl"
+    needs_augmented: bool = False
+    needs_key_ce: bool = True
+
+    def decide(self, scores: TokenScores) -> np.ndarray:
+        if np.isnan(scores.key_ce).any():
+            raise ValueError("MoNIM(KL) needs key_ce: set Encoder.compute_key_ce = True")
+        return -scores.key_ce < self.delta
+
+
+POLICY_NAMES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+
+
+def make_policy(
+    name: str, *, delta: float = DEFAULT_DELTA, rate: float = 0.5, seed: int = 0
+) -> Policy:
+    """Build a policy by name (one of POLICY_NAMES)."""
+    if name == "fullmem":
+        return FullMem()
+    if name == "randmem":
+        return RandMem(rate, seed)
+    if name == "monim":
+        return MoNIM(delta)
+    if name == "monim-amt":
+        return MoNIMAMT(delta)
+    if name == "monim-kl":
+        return MoNIMKL(delta)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
