@@ -169,3 +169,54 @@ def test_parameter_counts_and_memory_eval() -> None:
     later = torch.from_numpy(out.seg_start > 0) & first_of_segment
     assert bool(later.any()) and not torch.allclose(long[later], lm[later], atol=1e-4)
     assert perplexity(torch.log(torch.tensor([0.5, 0.125]))) == pytest.approx(4.0)
+
+
+def test_read_text_documents(tmp_path: Path) -> None:
+    from memlm.train.transformer_train import read_text_documents
+
+    txt = tmp_path / "a.txt"
+    txt.write_text("first doc\nline two\n\n\nsecond doc\n")
+    assert [d.text for d in read_text_documents(txt)] == ["first doc\nline two", "second doc"]
+    js = tmp_path / "a.jsonl"
+    js.write_text('{"text": "x y"}\n\n{"text": "z", "id": 3}\n')
+    assert [d.text for d in read_text_documents(js)] == ["x y", "z"]
+
+
+@pytest.mark.slow
+def test_cli_runner_continues_training_an_hf_model(tmp_path: Path) -> None:
+    """`memlm train --arch transformer --init-from tiny-llama --data FILE.jsonl` end to end."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memlm.train import TrainRequest
+    from memlm.train.transformer_train import run
+
+    rng = np.random.default_rng(0)
+    words = ["market", "storm", "minister", "goal", "rain", "shares", "vote", "match"]
+    lines = [json.dumps({"text": " ".join(rng.choice(words, size=60).tolist())}) for _ in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines))
+    req = TrainRequest(
+        arch="transformer",
+        out=tmp_path / "run",
+        objective="trime-ext",
+        steps=4,
+        batch_size=4,
+        bptt=16,
+        lr=1e-3,
+        clip=1.0,
+        threads=1,
+        cache_dir=tmp_path / "cache",
+        extra={"init_from": "tiny-llama", "data": str(data), "save_every": "2"},
+    )
+    summary = run(req)
+    assert summary["steps"] == 4 and summary["objective"] == "trime-ext"
+    assert np.isfinite(summary["dev_ppl"]) and np.isfinite(summary["test_ppl_memory"])
+    folder = tmp_path / "run" / "model"
+    AutoModelForCausalLM.from_pretrained(folder)
+    assert len(AutoTokenizer.from_pretrained(folder)) == 49152
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step-2",
+        "step-4",
+    ]

@@ -374,11 +374,13 @@ def train(
     resume: bool = True,
     progress: bool = True,
     stop_after: int | None = None,
+    max_seconds: float | None = None,
 ) -> TrainResult:
     """Train in place; checkpoint every ``save_every`` steps and at the end; resume if asked.
 
     ``stop_after`` ends the loop early after that many steps and checkpoints there (a time
     limit, or an interruption in tests): a second call with ``resume`` finishes the run.
+    ``max_seconds`` does the same after that much wall time.
     """
     from tqdm import tqdm
 
@@ -432,6 +434,8 @@ def train(
         history.append({"step": step + 1, "loss": value, "lr": float(sched.get_last_lr()[0])})
         bar.set_postfix(loss=f"{value:.3f}")
         done = step + 1
+        if max_seconds is not None and time.time() - t0 > max_seconds and done < end:
+            end = done
         if done % cfg.save_every == 0 or done == end:
             _save_checkpoint(
                 out_dir / "checkpoints" / f"step-{done}",
@@ -443,6 +447,8 @@ def train(
                 cfg,
                 history,
             )
+        if done == end:
+            break
     if end == cfg.steps:
         _save_final(out_dir, model, tokenizer, cfg, history)
     return TrainResult(
@@ -560,3 +566,184 @@ def memory_logprobs(
 def perplexity(logprobs: torch.Tensor) -> float:
     """exp of the mean negative log-likelihood."""
     return float(torch.exp(-logprobs.double().mean()))
+
+
+# --- `memlm train --arch transformer` -------------------------------------------------------
+
+
+class HFTokenizerAdapter:
+    """An HF tokenizer seen through :class:`memlm.train.data.Tokenizer` (for ``--data``)."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self.tok = tok
+        self.name = name
+        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+        if eos is None:
+            raise ValueError(f"{name}: the tokenizer has neither an EOS nor a BOS token")
+        self._boundary = int(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    @property
+    def boundary_id(self) -> int:
+        return self._boundary
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        out: list[list[int]] = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self.tok.decode(list(ids))
+        return text
+
+
+def read_text_documents(path: Path) -> list[Any]:
+    """Documents of a ``.jsonl`` file (field ``text``) or a ``.txt`` file (blank-line blocks)."""
+    import datetime as dt
+
+    from memlm.corpus import Document
+
+    day = dt.date(1970, 1, 1)  # dates do not matter for training
+    texts: list[str] = []
+    if path.suffix == ".jsonl":
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                texts.append(str(json.loads(line)["text"]))
+    else:
+        blocks = path.read_text(encoding="utf-8").split("\n\n")
+        texts = [b.strip() for b in blocks if b.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no documents")
+    return [
+        Document(id=f"{i:08d}", text=t, published_at=day, source=path.name)
+        for i, t in enumerate(texts)
+    ]
+
+
+def _opt(extra: dict[str, str], key: str, default: Any) -> Any:
+    if key not in extra:
+        return default
+    raw = extra[key]
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes")
+    return type(default)(raw) if default is not None else raw
+
+
+def run(req: Any) -> dict[str, Any]:
+    """Runner for ``memlm train --arch transformer`` (see :class:`memlm.train.TrainRequest`).
+
+    ``--objective`` vanilla | trime | trime-long | trime-ext; ``--bptt`` is the segment
+    length L and ``--batch-size`` the segments per batch B. ``--set`` keys: ``init_from``
+    (HF id or folder, or ``smollm2-135m``: continue training it), ``data`` (a .txt or
+    .jsonl file, with ``init_from``), ``layers``, ``heads``, ``ffn``, ``long_m``,
+    ``p_drop_local``, ``bm25`` (false: random batching), ``vanilla_frac``, ``save_every``,
+    ``resume`` (default true), ``tau`` (evaluation).
+    """
+    from memlm.train.data import encode_corpus, load_encoded_splits, split_documents
+
+    ex = dict(req.extra)
+    set_threads(req.threads)
+    out = Path(req.out)
+    init_from = _opt(ex, "init_from", None)
+    tokenizer: Any
+    if init_from is not None:
+        from memlm.encoder import Encoder
+
+        enc = Encoder.load(str(init_from), threads=req.threads)
+        model, hf_tok = enc.model, enc.tokenizer
+        for p in model.parameters():
+            p.requires_grad_(True)
+        data = _opt(ex, "data", None)
+        if data is None:
+            raise ValueError("--init-from needs --data FILE.txt|FILE.jsonl")
+        tokenizer = HFTokenizerAdapter(hf_tok, f"hf-{Path(str(init_from)).name}")
+        splits = split_documents(read_text_documents(Path(data)), seed=req.seed)
+        cache = req.cache_dir
+        train_c, dev_c, test_c = (
+            encode_corpus(d, tokenizer, cache) for d in (splits.train, splits.dev, splits.test)
+        )
+        decode = tokenizer.decode
+    else:
+        enc_splits = load_encoded_splits(
+            corpus=req.corpus,
+            tokenizer=req.tokenizer,
+            vocab_size=req.vocab_size,
+            seed=req.seed,
+            cache_dir=req.cache_dir,
+        )
+        train_c, dev_c, test_c = enc_splits.train, enc_splits.dev, enc_splits.test
+        tokenizer = enc_splits.tokenizer
+        decode = tokenizer.decode
+        mcfg = ModelConfig(
+            hidden=req.hidden or 128,
+            layers=_opt(ex, "layers", 4),
+            heads=_opt(ex, "heads", 4),
+            ffn=_opt(ex, "ffn", 4 * (req.hidden or 128)),
+            max_positions=max(1024, req.bptt),
+        )
+        model = build_model(mcfg, tokenizer.vocab_size, tokenizer.boundary_id, req.seed)
+        hf_tok = None
+        if req.tokenizer == "subword":
+            from transformers import AutoTokenizer
+
+            from memlm.encoder import bundled_tokenizer_path
+
+            hf_tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+    if req.max_train_tokens:
+        train_c = train_c.truncate_tokens(req.max_train_tokens)
+    if req.max_eval_tokens:
+        dev_c, test_c = (c.truncate_tokens(req.max_eval_tokens) for c in (dev_c, test_c))
+    cfg = TrainConfig(
+        objective=req.objective,
+        seg_len=req.bptt,
+        batch_segments=req.batch_size,
+        long_m=_opt(ex, "long_m", 4),
+        steps=req.steps,
+        lr=req.lr,
+        clip=req.clip,
+        vanilla_frac=_opt(ex, "vanilla_frac", 0.05),
+        p_drop_local=_opt(ex, "p_drop_local", 0.9),
+        bm25=_opt(ex, "bm25", True),
+        seed=req.seed,
+        save_every=_opt(ex, "save_every", 100),
+        threads=req.threads,
+    )
+    segs = make_segments(train_c, cfg.seg_len)
+    texts = segment_texts(segs, decode) if cfg.objective == "trime-ext" and cfg.bm25 else None
+    result = train(
+        model,
+        segs,
+        cfg,
+        out,
+        tokenizer=hf_tok,
+        texts=texts,
+        resume=_opt(ex, "resume", True),
+        max_seconds=None if req.max_minutes is None else 60 * req.max_minutes,
+    )
+    if hf_tok is None and hasattr(tokenizer, "save"):
+        tokenizer.save(out / "model" / "word_tokenizer.json")
+    summary: dict[str, Any] = {
+        "arch": "transformer",
+        "objective": cfg.objective,
+        "parameters": parameter_counts(model),
+        "steps": result.steps_done,
+        "train_seconds": round(result.seconds, 1),
+        "train_tokens": result.tokens,
+        "final_loss": result.history[-1]["loss"] if result.history else None,
+        "model_dir": str(out / "model"),
+    }
+    tau = _opt(ex, "tau", 1.0)
+    kind = MEMORY_OF[cfg.objective]
+    long_s = {None: None, "local": 0, "long": cfg.long_m, "ext": 0}[kind]
+    for name, corpus in (("dev", dev_c), ("test", test_c)):
+        o = encode_segments(model, make_segments(corpus, cfg.seg_len))
+        summary[f"{name}_ppl"] = perplexity(o.gold_logit - o.lse)
+        if long_s is not None:
+            summary[f"{name}_ppl_memory"] = perplexity(memory_logprobs(o, long_s, tau, cfg.seg_len))
+    return summary
