@@ -38,37 +38,38 @@ class Settings(BaseSettings):
     policy: str = "monim"
     # MoNIM threshold on log p(x_t); -1.5 is the paper's default (DESIGN.md).
     delta: float = -1.5
-    randmem_rate: float = Field(0.3, ge=0.0, le=1.0)
+    randmem_rate: float = Field(default=0.3, ge=0.0, le=1.0)
     # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
-    knn_k: int | None = Field(None, ge=1)
-    knn_temperature: float | None = Field(None, gt=0)
-    knn_lambda: float | None = Field(None, ge=0.0, le=1.0)
+    knn_k: int | None = Field(default=None, ge=1)
+    knn_temperature: float | None = Field(default=None, gt=0)
+    knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(default=None, ge=1)
 
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
     rebuild_cron: str = "0 3 * * *"
-    worker_poll_seconds: float = Field(2.0, gt=0)
-    # A document claimed longer ago than this by a worker that stopped is claimed again.
-    claim_timeout_seconds: float = Field(900.0, gt=0)
+    worker_poll_seconds: float = Field(default=2.0, gt=0)
     # How often the API checks for a new index version and new datastore entries.
-    index_poll_seconds: float = Field(5.0, gt=0)
+    index_poll_seconds: float = Field(default=5.0, gt=0)
+    # Run the ingest worker as a thread of the API process, sharing its engine (one model
+    # in RAM, one datastore writer). Off when the worker runs as its own process.
+    embedded_worker: bool = True
 
     # --- HTTP -----------------------------------------------------------------------------
     ingest_token: SecretStr = SecretStr(DEFAULT_SECRET)
     admin_token: SecretStr = SecretStr(DEFAULT_SECRET)
     # Require the ingest token for /predict and /score as well.
     protect_read: bool = False
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    max_documents_per_request: int = Field(256, ge=1)
-    max_text_chars: int = Field(200_000, ge=1)
-    max_context_chars: int = Field(20_000, ge=1)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_documents_per_request: int = Field(default=256, ge=1)
+    max_text_chars: int = Field(default=200_000, ge=1)
+    max_context_chars: int = Field(default=20_000, ge=1)
     # Requests waiting for the model; beyond this the API answers 429.
-    queue_size: int = Field(64, ge=1)
+    queue_size: int = Field(default=64, ge=1)
     # Concurrent /predict requests answered by one pass of the executor.
-    max_batch: int = Field(8, ge=1)
-    retry_after_seconds: int = Field(1, ge=1)
+    max_batch: int = Field(default=8, ge=1)
+    retry_after_seconds: int = Field(default=1, ge=1)
 
     @field_validator("policy")
     @classmethod

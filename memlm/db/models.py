@@ -34,7 +34,9 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-DOCUMENT_STATUSES = ("pending", "processing", "done", "failed", "forgotten")
+# forgetting: DELETE asked for it; the worker (the datastore's one writer) then hides the
+# entries and marks the document forgotten in the same transaction as the counters.
+DOCUMENT_STATUSES = ("pending", "processing", "done", "failed", "forgetting", "forgotten")
 BUILD_STATUSES = ("queued", "building", "done", "failed")
 
 

@@ -142,8 +142,9 @@ class DocumentRepository:
         return int(res.rowcount)  # type: ignore[attr-defined]
 
     def committed_end(self) -> int:
-        """End of the datastore prefix owned by committed documents (done or forgotten)."""
-        q = select(func.max(Document.entry_end)).where(Document.status.in_(("done", "forgotten")))
+        """End of the datastore prefix owned by committed documents."""
+        owners = ("done", "forgetting", "forgotten")
+        q = select(func.max(Document.entry_end)).where(Document.status.in_(owners))
         return int(self.s.scalar(q) or 0)
 
     def mark_done(
@@ -171,14 +172,23 @@ class DocumentRepository:
         doc.error = reason[:2000]
         doc.processed_at = utcnow()
 
-    def mark_forgotten(self, doc_id: int) -> Document:
+    def request_forget(self, doc_id: int) -> Document:
+        """Ask to forget a document: one with entries goes to ``forgetting`` (the worker
+        hides them); one without (pending, failed) is ``forgotten`` at once."""
         doc = self.get(doc_id)
         if doc.status == "processing":
             raise Conflict(f"document {doc_id} is being processed; try again in a moment")
-        if doc.status == "forgotten":
-            raise Conflict(f"document {doc_id} is already forgotten")
-        doc.status = "forgotten"
+        if doc.status in ("forgetting", "forgotten"):
+            raise Conflict(f"document {doc_id} is already {doc.status}")
+        doc.status = "forgetting" if doc.status == "done" else "forgotten"
         return doc
+
+    def next_forget(self) -> Document | None:
+        q = select(Document).where(Document.status == "forgetting").order_by(Document.id).limit(1)
+        return self.s.scalars(q).first()
+
+    def mark_forgotten(self, doc: Document) -> None:
+        doc.status = "forgotten"
 
     def counts_by_status(self) -> dict[str, int]:
         q = select(Document.status, func.count()).group_by(Document.status)

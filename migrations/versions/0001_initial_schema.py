@@ -53,7 +53,7 @@ def upgrade() -> None:
         sa.Column("entry_start", sa.BigInteger(), nullable=True),
         sa.Column("entry_end", sa.BigInteger(), nullable=True),
         sa.CheckConstraint(
-            "status IN ('pending', 'processing', 'done', 'failed', 'forgotten')",
+            "status IN ('pending', 'processing', 'done', 'failed', 'forgetting', 'forgotten')",
             name=op.f("ck_documents_status"),
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_documents")),

@@ -1,0 +1,190 @@
+"""The FastAPI application: ``create_app(settings)``; heavy parts are built in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from memlm.db.migrate import check_migrated
+from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
+from memlm.db.session import make_engine, make_sessionmaker
+from memlm.settings import Settings
+from service.errors import install_error_handlers
+from service.executor import ModelExecutor
+from service.metrics import Metrics
+from service.middleware import BodyGuard, RequestMetrics
+from service.routes import admin, documents, health, inference
+from service.routes.inference import predict_many
+from service.state import AppState
+from workers.engine import EngineLike, open_engine
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], EngineLike]
+
+DESCRIPTION = """\
+memlm memorises a stream of dated documents in a kNN-LM datastore with the MoNIM
+policy and answers next-token and scoring requests from the LM augmented with it.
+
+Errors always have the body `{"error": "<code>", "detail": "<message>"}`.
+Ingest and admin routes need `Authorization: Bearer <token>`.
+"""
+
+
+def _engine_version(engine: EngineLike) -> str | None:
+    v = engine.stats().get("index_version")
+    return None if v is None else str(v)
+
+
+async def sync_index(state: AppState) -> None:
+    """Serve the newest finished build and the newest datastore entries; refresh metrics.
+
+    Runs on the model thread, between requests, so no request sees a half-swapped index.
+    """
+    engine = state.engine
+    if engine is None:
+        return
+
+    def read_db() -> tuple[str | None, int, int, int]:
+        with state.sessions() as s:
+            active = BuildRepository(s).active()
+            rows = StatsRepository(s).per_day()
+            pending = DocumentRepository(s).pending_count()
+        seen = sum(r.tokens_seen for r in rows)
+        stored = sum(r.tokens_stored for r in rows)
+        return (None if active is None else active.version), seen, stored, pending
+
+    want, seen, stored, pending = await run_in_threadpool(read_db)
+    sync = getattr(engine, "sync", None)
+    if sync is not None:  # the worker is another process: re-read what it wrote
+        await state.executor.call(sync, wait=True)
+    if want is not None and want != state.served_version:
+        await state.executor.call(engine.reload_index, wait=True)
+    stats = await state.executor.call(engine.stats, wait=True)
+    version = stats.get("index_version")
+    if version is not None and str(version) != state.served_version:
+        log.info("serving index version %s", version)
+    state.served_version = None if version is None else str(version)
+    m = state.metrics
+    m.entries.set(float(stats["entries"]))
+    m.memrate.set(stored / seen if seen else 0.0)
+    m.pending.set(float(pending))
+    m.index_version.set(float(str(version)) if str(version).isdigit() else 0.0)
+
+
+def _attach(state: AppState, engine: EngineLike) -> None:
+    state.cached["predict_many"] = partial(predict_many, engine)
+    state.cached["char_span"] = getattr(engine, "char_span", None)
+    state.engine = engine
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    engine: EngineLike | None = None,
+    engine_factory: EngineFactory | None = None,
+    policy_factory: Callable[[str, float, dict[str, Any]], Any] | None = None,
+    run_worker: bool | None = None,
+    poll: bool = True,
+) -> FastAPI:
+    """The app. Pass ``engine`` (tests) or let the lifespan open the real one.
+
+    ``run_worker`` (default: ``settings.embedded_worker``) runs the ingest worker as a
+    thread over the same engine. ``poll`` keeps the served index in step with builds.
+    """
+    settings = settings or Settings()
+    factory = engine_factory or open_engine
+    with_worker = settings.embedded_worker if run_worker is None else run_worker
+    if policy_factory is None:
+        from workers.engine import policy_factory as default_policy_factory
+
+        policy_factory = default_policy_factory
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = make_engine(settings.db_url)
+        check_migrated(db)  # refuses an unmigrated database, naming the fix
+        sessions = make_sessionmaker(db)
+        executor = ModelExecutor(
+            queue_size=settings.queue_size,
+            max_batch=settings.max_batch,
+            retry_after=settings.retry_after_seconds,
+        )
+        metrics: Metrics = app.state.metrics
+        metrics.track_queue(executor.depth)
+        state = AppState(settings, db, sessions, executor, metrics, policy_factory=policy_factory)
+        app.state.memlm = state
+        stop = threading.Event()
+        tasks: list[asyncio.Task[None]] = []
+        threads: list[threading.Thread] = []
+
+        def start_worker(eng: EngineLike) -> None:
+            from workers.ingest import IngestWorker
+
+            worker = IngestWorker(eng, sessions, settings, policy_factory=policy_factory)
+            t = threading.Thread(target=worker.run, args=(stop,), name="memlm-ingest", daemon=True)
+            t.start()
+            threads.append(t)
+
+        async def load() -> None:
+            try:
+                eng = engine if engine is not None else await asyncio.to_thread(factory, settings)
+            except Exception as exc:
+                log.exception("loading the engine failed")
+                state.load_error = type(exc).__name__
+                return
+            _attach(state, eng)
+            if with_worker:
+                start_worker(eng)
+            await sync_index(state)
+            log.info("ready: model %s, index version %s", settings.model, state.served_version)
+
+        async def poller() -> None:
+            while True:
+                await asyncio.sleep(settings.index_poll_seconds)
+                try:
+                    await sync_index(state)
+                except Exception:
+                    log.exception("index sync failed; retrying at the next poll")
+
+        if engine is not None:
+            await load()  # tests: ready as soon as the client starts
+        else:
+            tasks.append(asyncio.create_task(load()))
+        if poll:
+            tasks.append(asyncio.create_task(poller()))
+        try:
+            yield
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for t in threads:
+                t.join(timeout=60)
+            executor.close()
+            db.dispose()
+
+    app = FastAPI(
+        title="memlm",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    for module in (documents, inference, admin, health):
+        app.include_router(module.router)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    return app

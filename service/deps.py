@@ -1,0 +1,82 @@
+"""FastAPI dependencies: typed state, the request's session, the engine, bearer auth."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from service.errors import Unauthorized, Unavailable
+from service.state import AppState
+from workers.engine import EngineLike
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.memlm
+    return state
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+def get_session(state: State) -> Iterator[Session]:
+    """The request's unit of work: committed once after the route returns."""
+    with state.sessions() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+# scope="function": commit before the response is sent, so a 2xx means committed.
+DbSession = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def get_engine(state: State) -> EngineLike:
+    if state.engine is None:
+        if state.load_error is not None:
+            raise Unavailable("the model failed to load; see the server log")
+        raise Unavailable("the model is still loading; retry shortly")
+    return state.engine
+
+
+EngineDep = Annotated[EngineLike, Depends(get_engine)]
+
+_bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <token>")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _matches(creds: HTTPAuthorizationCredentials | None, *tokens: str) -> bool:
+    if creds is None:
+        return False
+    given = creds.credentials.encode()
+    # Compare against every accepted token so timing does not tell which one matched.
+    hits = [secrets.compare_digest(given, t.encode()) for t in tokens]
+    return any(hits)
+
+
+def require_admin(state: State, creds: Credentials) -> None:
+    if not _matches(creds, state.settings.admin_token.get_secret_value()):
+        raise Unauthorized("a valid admin bearer token is required")
+
+
+def require_ingest(state: State, creds: Credentials) -> None:
+    s = state.settings
+    if not _matches(creds, s.ingest_token.get_secret_value(), s.admin_token.get_secret_value()):
+        raise Unauthorized("a valid ingest bearer token is required")
+
+
+def require_read(state: State, creds: Credentials) -> None:
+    if state.settings.protect_read:
+        require_ingest(state, creds)
+
+
+AdminAuth = Depends(require_admin)
+IngestAuth = Depends(require_ingest)
+ReadAuth = Depends(require_read)

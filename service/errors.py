@@ -1,0 +1,106 @@
+"""One error body, ``{"error": ..., "detail": ...}``, for every failure the API answers.
+
+Domain errors carry a message meant for clients. Anything else is logged with its
+traceback and answered with a generic message: exception text never reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from memlm.db.errors import DomainError
+
+log = logging.getLogger(__name__)
+
+
+class Unauthorized(DomainError):
+    status_code = 401
+    error = "unauthorized"
+
+
+class PayloadTooLarge(DomainError):
+    status_code = 413
+    error = "payload_too_large"
+
+
+class Overloaded(DomainError):
+    status_code = 429
+    error = "overloaded"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(DomainError):
+    status_code = 503
+    error = "unavailable"
+
+
+_HTTP_NAMES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+}
+
+
+def error_body(error: str, detail: Any) -> dict[str, Any]:
+    return {"error": error, "detail": detail}
+
+
+def error_response(
+    status: int, error: str, detail: Any, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(error, detail), status_code=status, headers=headers)
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = str(err.get("msg", "invalid value"))
+        if err.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def domain(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, DomainError)
+        headers = None
+        if isinstance(exc, Overloaded):
+            headers = {"Retry-After": str(exc.retry_after)}
+        elif isinstance(exc, Unauthorized):
+            headers = {"WWW-Authenticate": "Bearer"}
+        return error_response(exc.status_code, exc.error, str(exc), headers)
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(422, "validation_error", _validation_detail(exc))
+
+    async def http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        name = _HTTP_NAMES.get(exc.status_code, "error")
+        detail = exc.detail if isinstance(exc.detail, str) else name
+        return error_response(exc.status_code, name, detail, getattr(exc, "headers", None))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal_error", "internal server error")
+
+    app.add_exception_handler(DomainError, domain)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,110 @@
+"""ASGI middleware: body size limit and strict UTF-8 for JSON bodies, request metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.metrics import Metrics
+
+
+async def _send_error(send: Send, status: int, error: str, detail: str) -> None:
+    body = json.dumps({"error": error, "detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyGuard:
+    """Reject bodies over ``max_bytes`` (413) and JSON bodies that are not UTF-8 (400).
+
+    The body is read once here (it is bounded) and replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_big = f"the body exceeds {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, 413, "payload_too_large", too_big)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _send_error(send, 413, "payload_too_large", too_big)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if b"json" in headers.get(b"content-type", b"json"):
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as e:
+                await _send_error(
+                    send, 400, "bad_request", f"the body is not valid UTF-8 (byte {e.start})"
+                )
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class RequestMetrics:
+    """Observe the latency of every request under its route template."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route: Any = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_request(
+                scope["method"], path, status["code"], time.perf_counter() - t0
+            )

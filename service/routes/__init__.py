@@ -1,0 +1,1 @@
+"""Routes by domain: documents, inference, admin, health."""

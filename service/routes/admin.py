@@ -1,0 +1,82 @@
+"""Admin routes (admin bearer token): stats, rebuild, policy, forget."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+from starlette.concurrency import run_in_threadpool
+
+from memlm.db.models import IndexBuild
+from memlm.db.repositories import BuildRepository, DocumentRepository, PolicyRepository
+from service.deps import AdminAuth, DbSession, EngineDep, State
+from service.routes.documents import document_out
+from service.schemas import (
+    BuildOut,
+    DocumentOut,
+    PolicyIn,
+    PolicyOut,
+    RebuildRequest,
+    StatsResponse,
+)
+from service.stats import policy_out, read_db, summarise
+from workers.builder import enqueue_rebuild
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminAuth])
+
+
+def build_out(b: IndexBuild) -> BuildOut:
+    names = ("id", "request_key", "requested_by", "status", "version", "entries", "seconds")
+    data = {n: getattr(b, n) for n in (*names, "requested_at", "finished_at", "error")}
+    return BuildOut.model_validate(data)
+
+
+@router.get("/stats", response_model=StatsResponse, summary="MemRate, entries, index, documents")
+async def stats(state: State, engine: EngineDep) -> StatsResponse:
+    def db() -> dict[str, object]:
+        with state.sessions.begin() as s:
+            return read_db(s, state.settings)
+
+    # Database first: entries the worker adds in between show up in the engine figures
+    # only, never counted in the database and missing from the memory.
+    db_part = await run_in_threadpool(db)
+    engine_stats = await state.executor.call(engine.stats)
+    return summarise(db_part, engine_stats, state.served_version)
+
+
+@router.post(
+    "/rebuild",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=BuildOut,
+    summary="Request an index build (idempotent)",
+)
+def rebuild(state: State, body: RebuildRequest | None = None) -> BuildOut:
+    row, _ = enqueue_rebuild(state.sessions, key=body.key if body else None, requested_by="api")
+    return build_out(row)
+
+
+@router.get("/builds/{build_id}", response_model=BuildOut, summary="An index build's status")
+def get_build(build_id: int, session: DbSession) -> BuildOut:
+    return build_out(BuildRepository(session).get(build_id))
+
+
+@router.get("/policy", response_model=PolicyOut, summary="The active memorisation policy")
+def get_policy(state: State, session: DbSession) -> PolicyOut:
+    repo = PolicyRepository(session)
+    return policy_out(
+        repo.get(default_policy=state.settings.policy, default_delta=state.settings.delta)
+    )
+
+
+@router.put("/policy", response_model=PolicyOut, summary="Change the policy for new documents")
+def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
+    return policy_out(PolicyRepository(session).set(body.policy, body.delta, body.params))
+
+
+@router.delete(
+    "/documents/{doc_id}",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=DocumentOut,
+    summary="Forget a document: its entries leave the memory",
+)
+def forget(doc_id: int, session: DbSession) -> DocumentOut:
+    """A done document becomes ``forgetting`` until the worker hides its entries."""
+    return document_out(DocumentRepository(session).request_forget(doc_id))

@@ -1,0 +1,36 @@
+"""GET /healthz, /readyz and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.deps import State
+from service.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health, summary="The process is up")
+def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get(
+    "/readyz",
+    response_model=Health,
+    responses={503: {"description": "model or index not loaded yet"}},
+    summary="Model and index loaded",
+)
+def readyz(state: State) -> Response:
+    if state.engine is None:
+        reason = "model failed to load" if state.load_error else "model loading"
+        return JSONResponse({"error": "unavailable", "detail": reason}, status_code=503)
+    body = Health(status="ready", model=state.settings.model, index_version=state.served_version)
+    return JSONResponse(body.model_dump())
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,251 @@
+"""Request and response bodies of the HTTP API (pydantic), with OpenAPI examples."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from memlm.settings import POLICIES
+
+DocumentStatus = Literal["pending", "processing", "done", "failed", "forgetting", "forgotten"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- ingest -----------------------------------------------------------------------------
+
+
+class DocumentIn(Strict):
+    text: str = Field(min_length=1, examples=["The central bank raised its key rate on Tuesday."])
+    published_at: dt.date = Field(examples=["2017-02-07"])
+    source: str = Field(min_length=1, max_length=200, examples=["www.bbc.com"])
+    external_id: str | None = Field(None, min_length=1, max_length=200, examples=["bbc-123"])
+    title: str = Field("", max_length=1000, examples=["Rates rise again"])
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("text is empty")
+        return v
+
+    @field_validator("published_at", mode="before")
+    @classmethod
+    def _date_only(cls, v: Any) -> Any:
+        # Accept "2017-02-07" and "2017-02-07T10:00:00Z"; reject anything else clearly.
+        if isinstance(v, str) and len(v) > 10 and v[10] in "T ":
+            try:
+                return dt.datetime.fromisoformat(v.replace("Z", "+00:00")).date()
+            except ValueError:
+                raise ValueError(f"published_at {v!r} is not an ISO date") from None
+        return v
+
+
+class IngestRequest(Strict):
+    documents: list[DocumentIn] = Field(min_length=1)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "documents": [
+                        {
+                            "text": "The central bank raised its key rate on Tuesday.",
+                            "published_at": "2017-02-07",
+                            "source": "www.bbc.com",
+                            "external_id": "bbc-123",
+                            "title": "Rates rise again",
+                        }
+                    ]
+                }
+            ]
+        },
+    )
+
+
+class AcceptedDocument(BaseModel):
+    id: int
+    status: DocumentStatus
+    duplicate: bool = False
+
+
+class IngestResponse(BaseModel):
+    documents: list[AcceptedDocument]
+
+
+class DocumentOut(BaseModel):
+    id: int
+    status: DocumentStatus
+    source: str
+    external_id: str | None
+    title: str
+    published_at: dt.date
+    metadata: dict[str, Any]
+    created_at: dt.datetime | None
+    processed_at: dt.datetime | None
+    error: str | None
+    policy: str | None
+    tokens_seen: int | None
+    tokens_stored: int | None
+    entry_start: int | None
+    entry_end: int | None
+
+
+# --- predict and score -------------------------------------------------------------------
+
+
+class PredictRequest(Strict):
+    context: str = Field(min_length=1, examples=["The prime minister said on Tuesday that"])
+    top_n: int = Field(10, ge=1, le=100)
+    neighbours: int = Field(0, ge=0, le=100, description="how many neighbours to return")
+
+
+class Suggestion(BaseModel):
+    token: str
+    token_id: int | None = None
+    prob: float = Field(description="interpolated probability")
+    lm_prob: float = Field(description="probability under the bare LM")
+    knn_prob: float = Field(description="probability under the memory (kNN)")
+
+
+class WordSuggestion(BaseModel):
+    word: str
+    prob: float
+    lm_prob: float
+    knn_prob: float
+
+
+class NeighbourOut(BaseModel):
+    entry_id: int
+    document_id: int
+    token: str
+    distance: float
+    position: int
+    title: str | None = None
+    published_at: dt.date | None = None
+    source: str | None = None
+    snippet: str | None = None
+
+
+class PredictResponse(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    suggestions: list[Suggestion]
+    words: list[WordSuggestion] = Field(default_factory=list)
+    lambda_: float = Field(alias="lambda", serialization_alias="lambda")
+    neighbours: list[NeighbourOut]
+    index_version: int | str | None = None
+
+
+class ScoreRequest(Strict):
+    text: str = Field(min_length=1, examples=["The central bank raised its key rate."])
+
+
+class ScoreResponse(BaseModel):
+    tokens: list[str]
+    lm_logprobs: list[float]
+    logprobs: list[float]
+    lm_ppl: float
+    ppl: float
+    would_store: list[bool]
+    policy: str
+
+
+# --- admin ------------------------------------------------------------------------------
+
+
+class DayStatOut(BaseModel):
+    day: dt.date
+    policy: str
+    documents: int
+    tokens_seen: int
+    tokens_stored: int
+    entries_forgotten: int
+    memrate: float
+    cumulative_memrate: float
+
+
+class IndexOut(BaseModel):
+    version: str | None
+    built_at: dt.datetime | None
+    entries: int | None
+    seconds: float | None
+    served_version: str | None
+
+
+class StatsResponse(BaseModel):
+    entries: int = Field(description="live entries in the served memory")
+    datastore_entries: int = Field(description="entries on disk, forgotten ones included")
+    tokens_seen: int
+    tokens_stored: int
+    entries_forgotten: int
+    memrate: float = Field(description="tokens stored / tokens seen, cumulative")
+    per_day: list[DayStatOut]
+    documents: dict[str, int]
+    bytes_on_disk: int | None
+    bytes_in_ram: int | None
+    index: IndexOut
+    policy: PolicyOut
+
+
+class PolicyIn(Strict):
+    policy: str = Field(examples=["monim"])
+    delta: float = Field(-1.5, le=0.0, examples=[-1.5])
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(POLICIES)}")
+        return v
+
+
+class PolicyOut(BaseModel):
+    policy: str
+    delta: float
+    params: dict[str, Any]
+    updated_at: dt.datetime | None = None
+
+
+class RebuildRequest(Strict):
+    key: str | None = Field(
+        None,
+        max_length=100,
+        description="idempotency key: the same key twice builds once; "
+        "without one the request joins a queued or running build",
+    )
+
+
+class BuildOut(BaseModel):
+    id: int
+    request_key: str
+    requested_by: str
+    status: str
+    version: str | None
+    entries: int | None
+    seconds: float | None
+    requested_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    error: str | None
+
+
+class ForgetResponse(BaseModel):
+    id: int
+    status: DocumentStatus
+    entries_forgotten: int
+
+
+class Health(BaseModel):
+    status: str
+    model: str | None = None
+    index_version: str | None = None
+
+
+StatsResponse.model_rebuild()

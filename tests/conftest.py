@@ -1,0 +1,69 @@
+"""Shared, generic fixtures: migrated databases (SQLite and PostgreSQL) and settings."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def _migrated_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from memlm.db.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("db-template") / "memlm.sqlite"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, _migrated_sqlite_template: Path) -> str:
+    """A SQLite database at the migration head, private to the test (a copied file)."""
+    path = tmp_path / "memlm.sqlite"
+    shutil.copy(_migrated_sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+def _pg_reachable() -> str | None:
+    try:
+        eng = create_engine(PG_SERVER, connect_args={"connect_timeout": 3})
+        with eng.connect() as conn:
+            conn.execute(text("select 1"))
+        eng.dispose()
+    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+@pytest.fixture
+def pg_schema_url() -> Iterator[str]:
+    """An empty PostgreSQL schema of its own (dropped afterwards), as a URL whose
+    connections use it as search_path; skips when the server cannot be reached."""
+    reason = _pg_reachable()
+    if reason is not None:
+        pytest.skip(f"PostgreSQL at 127.0.0.1:5432/test unreachable ({reason})")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_SERVER)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_SERVER}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_schema_url: str) -> str:
+    """A private PostgreSQL schema at the migration head."""
+    from memlm.db.migrate import upgrade
+
+    upgrade(pg_schema_url)
+    return pg_schema_url

@@ -1,0 +1,207 @@
+"""An exact fake of the engine facade for logic tests of the service and the workers.
+
+Words are tokens (``text.split()``); the key of position t is the word before it, the
+value is the word at t. The "LM" is uniform over a fixed vocabulary, so every number
+is predictable by hand:
+
+* p_LM(y) = 1 / len(VOCAB) for y in VOCAB (other words get 0),
+* p_kNN(y) = live entries with key == last word and value y / all live entries with that key,
+* lambda = 0.5 when such entries exist, else 0.0,
+* FullMem stores every predicted token; MoNIM stores a token whose (key, value) pair
+  is not in the live memory yet (the augmented model "was surprised").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+VOCAB = ("the", "a", "of", "and", "to", "in")
+
+
+class FakeCrash(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    tokens_seen: int
+    tokens_stored: int
+    first_entry: int
+    end_entry: int
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    token: str
+    token_id: int
+    prob: float
+    lm_prob: float
+    knn_prob: float
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    entry_id: int
+    doc_id: int
+    position: int
+    token: str
+    token_id: int
+    distance: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    suggestions: list[Suggestion]
+    lam: float
+    neighbours: list[Neighbour]
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    tokens: list[str]
+    lm_logprobs: list[float]
+    logprobs: list[float]
+    lm_ppl: float
+    ppl: float
+    would_store: list[bool]
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    version: int
+    entries: int
+    upto: int
+    params: dict[str, Any]
+    train_seconds: float = 0.0
+    add_seconds: float = 0.0
+
+
+@dataclass
+class _Entry:
+    doc_id: int
+    position: int
+    key: str
+    value: str
+    day: int
+
+
+@dataclass
+class FakeEngine:
+    policy: str = "monim"
+    entries: list[_Entry] = field(default_factory=list)
+    deleted: set[int] = field(default_factory=set)
+    built_version: int = 0
+    served_version: int = 0
+    processed: list[int] = field(default_factory=list)
+    fail_on: str | None = None  # a word that makes process_document raise ValueError
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _live(self) -> list[_Entry]:
+        return [e for e in self.entries if e.doc_id not in self.deleted]
+
+    def _knn(self, key: str) -> dict[str, float]:
+        hits = [e.value for e in self._live() if e.key == key]
+        return {v: hits.count(v) / len(hits) for v in sorted(set(hits))}
+
+    def _stores(self, policy: str, key: str, value: str, memory: set[tuple[str, str]]) -> bool:
+        return policy == "fullmem" or (key, value) not in memory
+
+    # --- the facade -------------------------------------------------------------------------
+
+    def process_document(
+        self, doc_id: int, text: str, day: int, *, policy: Any = None, crash_at: str | None = None
+    ) -> IngestResult:
+        words = text.split()
+        if self.fail_on is not None and self.fail_on in words:
+            raise ValueError(f"cannot encode the word {self.fail_on!r}")
+        name = policy or self.policy
+        memory = {(e.key, e.value) for e in self._live()}
+        first = len(self.entries)
+        for t in range(1, len(words)):
+            if self._stores(name, words[t - 1], words[t], memory):
+                self.entries.append(_Entry(doc_id, t, words[t - 1], words[t], day))
+                memory.add((words[t - 1], words[t]))
+        if crash_at == "after_append":
+            raise FakeCrash("crash after append")
+        self.processed.append(doc_id)
+        return IngestResult(len(words) - 1, len(self.entries) - first, first, len(self.entries))
+
+    def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
+        last = context.split()[-1]
+        knn = self._knn(last)
+        lam = 0.5 if knn else 0.0
+        words = sorted(set(VOCAB) | set(knn))
+        sugg = []
+        for w in words:
+            lm = 1.0 / len(VOCAB) if w in VOCAB else 0.0
+            kp = knn.get(w, 0.0)
+            sugg.append(Suggestion(w, hash(w) % 1000, (1 - lam) * lm + lam * kp, lm, kp))
+        sugg.sort(key=lambda s: (-s.prob, s.token))
+        ids = [i for i, e in enumerate(self.entries) if e.doc_id not in self.deleted]
+        hits = [i for i in ids if self.entries[i].key == last][:neighbours]
+        nbrs = [
+            Neighbour(
+                i,
+                self.entries[i].doc_id,
+                self.entries[i].position,
+                self.entries[i].value,
+                0,
+                float(rank),
+            )
+            for rank, i in enumerate(hits)
+        ]
+        return Prediction(sugg[:top_n], lam, nbrs)
+
+    def score(self, text: str, *, policy: Any = None) -> ScoreResult:
+        words = text.split()
+        name = policy or self.policy
+        memory = {(e.key, e.value) for e in self._live()}
+        lm_lp, lp, store = [], [], []
+        for t in range(1, len(words)):
+            knn = self._knn(words[t - 1])
+            lam = 0.5 if knn else 0.0
+            lm = 1.0 / len(VOCAB) if words[t] in VOCAB else 1e-6
+            lm_lp.append(math.log(lm))
+            lp.append(math.log((1 - lam) * lm + lam * knn.get(words[t], 0.0)))
+            store.append(self._stores(name, words[t - 1], words[t], memory))
+        return ScoreResult(
+            words,
+            lm_lp,
+            lp,
+            math.exp(-sum(lm_lp) / len(lm_lp)),
+            math.exp(-sum(lp) / len(lp)),
+            store,
+        )
+
+    def rebuild(self, *, crash_at: str | None = None) -> BuildInfo:
+        self.built_version += 1
+        n = len(self._live())
+        return BuildInfo(self.built_version, n, len(self.entries), {"kind": "flat"})
+
+    def reload_index(self) -> bool:
+        changed = self.served_version != self.built_version
+        self.served_version = self.built_version
+        return changed
+
+    def forget_document(self, doc_id: int) -> int:
+        if doc_id in self.deleted:
+            return 0
+        self.deleted.add(doc_id)
+        return sum(1 for e in self.entries if e.doc_id == doc_id)
+
+    def truncate_datastore(self, n: int) -> None:
+        assert 0 <= n <= len(self.entries)
+        del self.entries[n:]
+
+    def stats(self) -> dict[str, Any]:
+        live = len(self._live())
+        return {
+            "entries": live,
+            "datastore_entries": len(self.entries),
+            "bytes_on_disk": 8 * len(self.entries),
+            "bytes_in_ram": 8 * live,
+            "index_version": self.served_version or None,
+        }

@@ -1,0 +1,36 @@
+"""Helpers shared by the API and worker tests (not fixtures: plain functions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from memlm.db.session import make_engine, make_sessionmaker
+from memlm.settings import Settings
+
+INGEST = {"Authorization": "Bearer ingest-secret"}
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
+    base: dict[str, Any] = {
+        "env": "test",
+        "data_dir": tmp_path / "data",
+        "database_url": db_url,
+        "ingest_token": "ingest-secret",
+        "admin_token": "admin-secret",
+        "worker_poll_seconds": 0.05,
+        "index_poll_seconds": 3600,
+    }
+    base.update(over)
+    return Settings(_env_file=None, **base)
+
+
+def sessions_for(url: str) -> sessionmaker[Session]:
+    return make_sessionmaker(make_engine(url))
+
+
+def doc(text: str, day: str = "2017-02-07", source: str = "test", **kw: Any) -> dict[str, Any]:
+    return {"text": text, "published_at": day, "source": source, **kw}

@@ -1,0 +1,380 @@
+"""The HTTP API in-process over the exact fake engine: flow, validation, auth, errors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app, sync_index
+from tests.fakes import VOCAB, FakeEngine
+from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from workers.ingest import IngestWorker
+
+
+def by_name(name: str, delta: float, params: dict[str, Any]) -> str:
+    return name
+
+
+class Env:
+    def __init__(self, client: TestClient, engine: FakeEngine, worker: IngestWorker) -> None:
+        self.client, self.engine, self.worker = client, engine, worker
+
+    def sync(self) -> None:
+        self.client.portal.call(sync_index, self.client.app.state.memlm)  # type: ignore[union-attr,attr-defined]
+
+    def drain(self) -> int:
+        n = 0
+        while self.worker.step() is not None:
+            n += 1
+        return n
+
+
+def _env(tmp_path: Path, url: str, **over: Any) -> Iterator[Env]:
+    settings = make_settings(tmp_path, url, **over)
+    engine = FakeEngine()
+    app = create_app(settings, engine=engine, policy_factory=by_name, run_worker=False, poll=False)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        worker = IngestWorker(engine, app.state.memlm.sessions, settings, policy_factory=by_name)
+        worker.start(timeout=5)
+        try:
+            yield Env(client, engine, worker)
+        finally:
+            worker.lock.release()
+
+
+@pytest.fixture
+def env(tmp_path: Path, sqlite_url: str) -> Iterator[Env]:
+    yield from _env(tmp_path, sqlite_url)
+
+
+def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) -> None:
+    c = env.client
+    before = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
+    assert before["lambda"] == 0.0
+    assert before["neighbours"] == []
+    assert {s["token"]: s["prob"] for s in before["suggestions"]}["the"] == pytest.approx(1 / 6)
+
+    r = c.post(
+        "/ingest",
+        headers=INGEST,
+        json={"documents": [doc("the cat sat on the mat", title="Cats", external_id="a1")]},
+    )
+    assert r.status_code == 202
+    [accepted] = r.json()["documents"]
+    assert accepted["status"] == "pending"
+    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "pending"
+
+    assert env.drain() == 1
+    d = c.get(f"/documents/{accepted['id']}").json()
+    assert (d["status"], d["tokens_seen"], d["tokens_stored"]) == ("done", 5, 5)
+    assert (d["entry_start"], d["entry_end"], d["policy"]) == (0, 5, "monim")
+
+    r = c.post("/admin/rebuild", headers=ADMIN)
+    assert r.status_code == 202 and r.json()["status"] == "queued"
+    assert env.drain() == 1
+    env.sync()
+    build = c.get(f"/admin/builds/{r.json()['id']}", headers=ADMIN).json()
+    assert (build["status"], build["version"], build["entries"]) == ("done", "1", 5)
+
+    after = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
+    assert after["lambda"] == 0.5
+    assert after["index_version"] == "1"
+    probs = {s["token"]: s for s in after["suggestions"]}
+    assert probs["cat"]["knn_prob"] == 0.5 and probs["cat"]["lm_prob"] == 0.0
+    assert probs["cat"]["prob"] == pytest.approx(0.25)
+    assert probs["the"]["prob"] == pytest.approx(0.5 / 6)
+    nbrs = after["neighbours"]
+    assert [(n["document_id"], n["token"], n["position"]) for n in nbrs] == [
+        (accepted["id"], "cat", 1),
+        (accepted["id"], "mat", 5),
+    ]
+    assert nbrs[0]["title"] == "Cats" and nbrs[0]["published_at"] == "2017-02-07"
+    assert "the cat sat" in nbrs[0]["snippet"]
+
+    s = c.post("/score", json={"text": "the cat ran"}).json()
+    assert s["tokens"] == ["the", "cat", "ran"]
+    assert s["would_store"] == [False, True]  # (the, cat) is in memory, (cat, ran) is not
+    assert s["lm_logprobs"][0] == pytest.approx(math.log(1e-6))
+    assert s["logprobs"][0] == pytest.approx(math.log(0.5 * 1e-6 + 0.25))
+    assert s["policy"] == "monim"
+
+    st = c.get("/admin/stats", headers=ADMIN).json()
+    assert (st["entries"], st["tokens_seen"], st["tokens_stored"]) == (5, 5, 5)
+    assert st["memrate"] == 1.0 and st["documents"] == {"done": 1}
+    assert [(p["day"], p["tokens_stored"], p["memrate"]) for p in st["per_day"]] == [
+        ("2017-02-07", 5, 1.0)
+    ]
+    assert st["index"]["version"] == "1" and st["index"]["served_version"] == "1"
+
+    r = c.delete(f"/admin/documents/{accepted['id']}", headers=ADMIN)
+    assert r.status_code == 202 and r.json()["status"] == "forgetting"
+    assert env.drain() == 1
+    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "forgotten"
+    st = c.get("/admin/stats", headers=ADMIN).json()
+    assert (st["entries"], st["tokens_stored"], st["entries_forgotten"]) == (0, 5, 5)
+    assert st["entries"] == st["tokens_stored"] - st["entries_forgotten"]
+    gone = c.post("/predict", json={"context": "the", "neighbours": 5}).json()
+    assert gone["neighbours"] == [] and gone["lambda"] == 0.0
+    again = c.delete(f"/admin/documents/{accepted['id']}", headers=ADMIN)
+    assert again.status_code == 409 and again.json()["error"] == "conflict"
+
+
+def test_stats_match_datastore_over_several_documents_and_days(env: Env) -> None:
+    texts = ["a b c d", "a b x y z", "q a b c", "the of and"]
+    days = ["2017-02-07", "2017-02-07", "2017-02-08", "2017-02-09"]
+    docs = [doc(t, day) for t, day in zip(texts, days, strict=True)]
+    env.client.post("/ingest", headers=INGEST, json={"documents": docs})
+    assert env.drain() == 4
+    st = env.client.get("/admin/stats", headers=ADMIN).json()
+    # MoNIM in the fake stores new (key, value) pairs: 3 + 3 + 1 + 2 entries.
+    assert [p["tokens_stored"] for p in st["per_day"]] == [6, 1, 2]
+    assert [p["tokens_seen"] for p in st["per_day"]] == [7, 3, 2]
+    assert (
+        st["entries"] == len(env.engine.entries) == sum(p["tokens_stored"] for p in st["per_day"])
+    )
+    assert st["per_day"][1]["cumulative_memrate"] == pytest.approx(7 / 10)
+    assert st["memrate"] == pytest.approx(9 / 12)
+
+
+def test_documents_are_processed_in_publication_order(env: Env) -> None:
+    docs = [doc("late one", "2017-03-01"), doc("early one", "2017-01-01"), doc("mid", "2017-02-01")]
+    ids = [
+        d["id"]
+        for d in env.client.post("/ingest", headers=INGEST, json={"documents": docs}).json()[
+            "documents"
+        ]
+    ]
+    env.drain()
+    assert env.engine.processed == [ids[1], ids[2], ids[0]]
+
+
+def test_deduplication_by_external_id_and_by_content(env: Env) -> None:
+    c = env.client
+    first = c.post(
+        "/ingest", headers=INGEST, json={"documents": [doc("one two", external_id="x")]}
+    ).json()["documents"][0]
+    again = c.post(
+        "/ingest",
+        headers=INGEST,
+        json={
+            "documents": [
+                doc("other text", external_id="x"),  # same (source, external id)
+                doc("one two"),  # same content
+                doc("one two three"),
+                doc("one two three"),  # duplicate inside the batch
+            ]
+        },
+    ).json()["documents"]
+    assert [(d["id"], d["duplicate"]) for d in again[:2]] == [(first["id"], True)] * 2
+    assert again[2]["duplicate"] is False and again[3] == {**again[2], "duplicate": True}
+
+
+def test_policy_get_put_applies_to_next_documents(env: Env) -> None:
+    c = env.client
+    assert c.get("/admin/policy", headers=ADMIN).json()["policy"] == "monim"
+    r = c.put("/admin/policy", headers=ADMIN, json={"policy": "fullmem", "delta": -2.0})
+    assert r.status_code == 200 and r.json()["delta"] == -2.0
+    bad = c.put("/admin/policy", headers=ADMIN, json={"policy": "everything"})
+    assert bad.status_code == 422 and "unknown policy" in bad.json()["detail"]
+    c.post("/ingest", headers=INGEST, json={"documents": [doc("a b a b")]})
+    env.drain()
+    st = c.get("/admin/stats", headers=ADMIN).json()
+    # FullMem keeps the repeated pair (a, b) twice: 3 of 3 tokens.
+    assert [(p["policy"], p["tokens_stored"]) for p in st["per_day"]] == [("fullmem", 3)]
+
+
+def test_failed_document_is_marked_and_does_not_stop_the_queue(env: Env) -> None:
+    env.engine.fail_on = "poison"
+    c = env.client
+    ids = [
+        d["id"]
+        for d in c.post(
+            "/ingest", headers=INGEST, json={"documents": [doc("a poison b"), doc("c d e")]}
+        ).json()["documents"]
+    ]
+    assert env.drain() == 2
+    bad, good = (c.get(f"/documents/{i}").json() for i in ids)
+    assert bad["status"] == "failed"
+    assert bad["error"] == "ValueError: cannot encode the word 'poison'"
+    assert good["status"] == "done"
+
+
+def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
+    c = env.client
+    a = c.post("/admin/rebuild", headers=ADMIN).json()
+    b = c.post("/admin/rebuild", headers=ADMIN).json()
+    assert a["id"] == b["id"]
+    k1 = c.post("/admin/rebuild", headers=ADMIN, json={"key": "2017-02-07"}).json()
+    k2 = c.post("/admin/rebuild", headers=ADMIN, json={"key": "2017-02-07"}).json()
+    assert k1["id"] == k2["id"] != a["id"]
+    assert env.drain() == 2
+    assert env.engine.built_version == 2
+    assert (
+        c.post("/admin/rebuild", headers=ADMIN, json={"key": "2017-02-07"}).json()["status"]
+        == "done"
+    )
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"documents": [doc("")]}, 422, "documents.0.text"),
+        ({"documents": [doc("   \n ")]}, 422, "text is empty"),
+        ({"documents": [doc("ok", day="2017-13-45")]}, 422, "documents.0.published_at"),
+        ({"documents": [doc("ok", day="yesterday")]}, 422, "published_at"),
+        ({"documents": [{"text": "no date", "source": "s"}]}, 422, "published_at: Field required"),
+        ({"documents": [{**doc("ok"), "colour": "red"}]}, 422, "colour"),
+        ({"documents": []}, 422, "documents"),
+        ({"docs": []}, 422, "documents: Field required"),
+    ],
+)
+def test_bad_ingest_bodies_get_4xx_with_clear_message(
+    env: Env, body: dict[str, Any], status: int, needle: str
+) -> None:
+    r = env.client.post("/ingest", headers=INGEST, json=body)
+    assert r.status_code == status
+    assert set(r.json()) == {"error", "detail"}
+    assert needle in r.json()["detail"]
+
+
+def test_iso_datetime_is_accepted_as_its_date(env: Env) -> None:
+    r = env.client.post(
+        "/ingest", headers=INGEST, json={"documents": [doc("ok", day="2017-02-07T23:10:00Z")]}
+    )
+    doc_id = r.json()["documents"][0]["id"]
+    assert env.client.get(f"/documents/{doc_id}").json()["published_at"] == "2017-02-07"
+
+
+def test_invalid_utf8_and_invalid_json(env: Env) -> None:
+    raw = b'{"documents": [{"text": "caf\xe9", "published_at": "2017-02-07", "source": "s"}]}'
+    r = env.client.post(
+        "/ingest", headers={**INGEST, "Content-Type": "application/json"}, content=raw
+    )
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": "bad_request",
+        "detail": f"the body is not valid UTF-8 (byte {raw.index(0xE9)})",
+    }
+    r = env.client.post(
+        "/ingest", headers={**INGEST, "Content-Type": "application/json"}, content=b"{nope"
+    )
+    assert r.status_code == 422 and "not valid JSON" in r.json()["detail"]
+
+
+def test_size_limits(tmp_path: Path, sqlite_url: str) -> None:
+    for e in _env(
+        tmp_path, sqlite_url, max_body_bytes=2048, max_documents_per_request=2, max_text_chars=50
+    ):
+        c = e.client
+        r = c.post("/ingest", headers=INGEST, json={"documents": [doc("x" * 3000)]})
+        assert r.status_code == 413 and r.json()["detail"] == "the body exceeds 2048 bytes"
+        r = c.post("/ingest", headers=INGEST, json={"documents": [doc(f"d{i}") for i in range(3)]})
+        assert r.status_code == 413
+        assert r.json()["detail"] == "3 documents in one request; at most 2 are accepted"
+        r = c.post("/ingest", headers=INGEST, json={"documents": [doc("y" * 60)]})
+        assert r.status_code == 413 and "documents.0.text has 60 characters" in r.json()["detail"]
+        assert c.get("/admin/stats", headers=ADMIN).json()["documents"] == {}
+
+
+def test_predict_and_score_validation(env: Env) -> None:
+    c = env.client
+    assert c.post("/predict", json={"context": ""}).status_code == 422
+    assert c.post("/predict", json={"context": "a", "top_n": 0}).status_code == 422
+    assert c.post("/predict", json={"context": "a", "neighbours": 101}).status_code == 422
+    assert c.post("/score", json={}).status_code == 422
+    assert c.get("/documents/999").json() == {
+        "error": "not_found",
+        "detail": "document 999 does not exist",
+    }
+    assert c.get("/nowhere").json() == {"error": "not_found", "detail": "Not Found"}
+
+
+# --- auth ------------------------------------------------------------------------------
+
+
+def test_auth(env: Env) -> None:
+    c = env.client
+    body = {"documents": [doc("a b")]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
+        r = c.post("/ingest", headers=headers, json=body)
+        assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert c.get("/admin/stats", headers=headers).status_code == 401
+    assert c.get("/admin/stats", headers=INGEST).status_code == 401  # ingest is not admin
+    assert c.post("/ingest", headers=ADMIN, json=body).status_code == 202  # admin may ingest
+    assert c.post("/predict", json={"context": "a"}).status_code == 200  # open by default
+    assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_protected_reads(tmp_path: Path, sqlite_url: str) -> None:
+    for e in _env(tmp_path, sqlite_url, protect_read=True):
+        assert e.client.post("/predict", json={"context": "a"}).status_code == 401
+        assert e.client.post("/score", json={"text": "a b"}).status_code == 401
+        assert e.client.post("/predict", headers=INGEST, json={"context": "a"}).status_code == 200
+
+
+def test_unexpected_errors_never_leak(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("secret path /etc/shadow")
+
+    monkeypatch.setattr(env.engine, "score", boom)
+    r = env.client.post("/score", json={"text": "a b"})
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal_error", "detail": "internal server error"}
+
+
+# --- health and metrics ----------------------------------------------------------------
+
+
+def test_health_ready_and_metrics(env: Env) -> None:
+    c = env.client
+    assert c.get("/healthz").json()["status"] == "ok"
+    assert c.get("/readyz").json()["status"] == "ready"
+    c.post("/ingest", headers=INGEST, json={"documents": [doc("a b c")]})
+    env.drain()
+    env.sync()
+    text = c.get("/metrics").text
+    assert "memlm_entries 2.0" in text
+    assert "memlm_memrate 1.0" in text
+    assert "memlm_queue_depth 0.0" in text
+    assert 'memlm_request_seconds_count{method="POST",route="/ingest",status="202"} 1.0' in text
+
+
+def test_openapi_lists_every_route_with_examples(env: Env) -> None:
+    spec = env.client.get("/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {
+        "/ingest",
+        "/documents/{doc_id}",
+        "/predict",
+        "/score",
+        "/admin/stats",
+        "/admin/rebuild",
+        "/admin/policy",
+        "/admin/documents/{doc_id}",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    } <= paths
+    assert spec["components"]["schemas"]["IngestRequest"]["examples"][0]["documents"]
+
+
+def test_unmigrated_database_refuses_to_start(tmp_path: Path) -> None:
+    from memlm.db.errors import DatabaseNotMigrated
+
+    settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    app = create_app(settings, engine=FakeEngine(), run_worker=False, poll=False)
+    with pytest.raises(DatabaseNotMigrated, match="run `memlm db upgrade`"), TestClient(app):
+        pass
+
+
+def test_vocab_is_what_the_fake_promises() -> None:
+    assert len(VOCAB) == 6

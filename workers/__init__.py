@@ -1,0 +1,1 @@
+"""Background processes of memlm: the ingest worker, the index builder, the scheduler."""

@@ -1,0 +1,72 @@
+"""Index builds: enqueue idempotently, run one queued build, record the result."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from memlm.db.models import IndexBuild
+from memlm.db.repositories import BuildRepository
+from workers.engine import EngineLike
+
+log = logging.getLogger(__name__)
+
+
+def nightly_key(day: dt.date) -> str:
+    """The request key of the scheduled build of ``day``: one build per day at most."""
+    return f"nightly:{day.isoformat()}"
+
+
+def enqueue_rebuild(
+    sessions: sessionmaker[Session], *, key: str | None = None, requested_by: str = "manual"
+) -> tuple[IndexBuild, bool]:
+    """Request a build. With a key, the same key twice gives the first request; without,
+    the request joins a build already queued or running, else a new one is queued."""
+    with sessions.begin() as s:
+        builds = BuildRepository(s)
+        if key is None:
+            pending = builds.open_request()
+            if pending is not None:
+                return pending, False
+            key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
+        return builds.enqueue(key, requested_by)
+
+
+def _params(info: Any) -> dict[str, Any]:
+    params: Any = getattr(info, "params", None)
+    if params is None:
+        return {}
+    return dict(params.to_json() if hasattr(params, "to_json") else params)
+
+
+def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str | None:
+    """Build the oldest queued request, if any; returns its key. Failures are recorded."""
+    with sessions.begin() as s:
+        row = BuildRepository(s).claim_queued()
+        if row is None:
+            return None
+        build_id, key = row.id, row.request_key
+    log.info("building index for request %s", key)
+    t0 = time.perf_counter()
+    try:
+        info = engine.rebuild()
+    except Exception:
+        log.exception("index build %s failed", key)
+        with sessions.begin() as s:
+            BuildRepository(s).fail(build_id, "the index build failed (details in the worker log)")
+        return key
+    seconds = time.perf_counter() - t0
+    with sessions.begin() as s:
+        BuildRepository(s).finish(
+            build_id,
+            version=str(info.version),
+            entries=int(info.entries),
+            params=_params(info),
+            seconds=seconds,
+        )
+    log.info("index version %s built: %d entries in %.1f s", info.version, info.entries, seconds)
+    return key

@@ -1,0 +1,60 @@
+"""The engine as the service and the workers see it, and how they open it.
+
+``EngineLike`` names exactly the calls the front doors make, so tests can pass the
+exact fake in ``tests/fakes.py`` and the real :class:`memlm.engine.Engine` alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Protocol
+
+from memlm.settings import Settings
+
+EPOCH = dt.date(1970, 1, 1)
+
+
+def day_number(day: dt.date) -> int:
+    """The engine's day: days since 1970-01-01 (what the datastore keeps as provenance)."""
+    return (day - EPOCH).days
+
+
+class EngineLike(Protocol):
+    def process_document(
+        self, doc_id: int, text: str, day: int, *, policy: Any = None, crash_at: str | None = None
+    ) -> Any: ...
+
+    def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Any: ...
+
+    def score(self, text: str, *, policy: Any = None) -> Any: ...
+
+    def rebuild(self, *, crash_at: str | None = None) -> Any: ...
+
+    def reload_index(self) -> Any: ...
+
+    def forget_document(self, doc_id: int) -> int: ...
+
+    def truncate_datastore(self, n: int) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def open_engine(settings: Settings, *, encoder: Any = None) -> EngineLike:
+    """Open the real engine on the settings' data directory (loads the model)."""
+    from memlm.engine import Engine  # heavy: torch, transformers, faiss
+
+    kwargs: dict[str, Any] = {"model": settings.model, "policy": settings.policy}
+    kwargs["delta"] = settings.delta
+    if settings.threads is not None:
+        kwargs["threads"] = settings.threads
+    if encoder is not None:
+        kwargs["encoder"] = encoder
+    engine: EngineLike = Engine.open(settings.datastore_dir, **kwargs)
+    return engine
+
+
+def policy_factory(name: str, delta: float, params: dict[str, Any]) -> Any:
+    """The engine's policy argument for the active policy row (name, delta, params)."""
+    from memlm.engine import make_policy  # heavy import, only once the engine is used
+
+    return make_policy(name, delta=delta, **params)
