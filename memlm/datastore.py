@@ -24,6 +24,7 @@ return copies, so a later ``truncate`` cannot pull pages from under a caller.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 MANIFEST = "manifest.json"
+LOCK = "LOCK"  # flock of the single writer
 FORMAT = "memlm-datastore"
 FORMAT_VERSION = 1
 # 1M entries per segment: 1.1 GB of keys at d=576, small enough to copy or rsync one file
@@ -160,6 +162,25 @@ class _Manifest:
         return m
 
 
+def _take_writer_lock(path: Path) -> int:
+    """Exclusive flock on ``path/LOCK``; returns the fd (a raw fd: a file object that a
+    dropped handle leaves to the garbage collector would raise a ResourceWarning)."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DatastoreError(
+            f"{path}: another writer holds {LOCK}; open with readonly=True to read"
+        ) from None
+    return fd
+
+
+def _stat_key(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def _segment_name(i: int) -> str:
     return f"seg-{i:06d}"
 
@@ -196,6 +217,9 @@ class Datastore:
         self._deleted_arr = np.array(sorted(manifest.deleted), dtype=np.int64)
         self._live_cache: tuple[int, int, int] | None = None  # (total, generation, live)
         self._broken = False
+        self._lock_fd: int | None = None  # the writer's flock; None when read-only
+        self._closed = False
+        self._manifest_stat: tuple[int, int, int] = (0, 0, 0)
 
     # --- opening and recovery ----------------------------------------------------------
 
@@ -206,29 +230,74 @@ class Datastore:
         dim: int | None = None,
         *,
         max_segment_entries: int = DEFAULT_MAX_SEGMENT_ENTRIES,
+        readonly: bool = False,
     ) -> Datastore:
         """Open the datastore at ``path``, creating it when missing (``dim`` required then).
 
-        On an existing store, checks ``dim`` and removes uncommitted work left by a crash.
+        The writer (default) takes an exclusive lock on ``path/LOCK`` for the object's
+        lifetime (``close()`` releases it), checks ``dim`` and removes uncommitted work
+        left by a crash. ``readonly=True`` (for another process, e.g. the API server)
+        takes no lock, changes nothing, and sees the writer's commits after ``reload()``.
         ``max_segment_entries`` only applies at creation; an existing store keeps its own.
         """
         p = Path(path)
         mpath = p / MANIFEST
-        if not mpath.exists():
-            if dim is None:
-                raise DatastoreError(f"{p}: no datastore there and no dim given to create one")
-            if dim <= 0 or max_segment_entries <= 0:
-                raise DatastoreError("dim and max_segment_entries must be positive")
+        lock = None
+        if not readonly:
             p.mkdir(parents=True, exist_ok=True)
-            m = _Manifest(dim=int(dim), max_segment_entries=int(max_segment_entries))
-            atomic_write_text(mpath, m.to_json())
-        else:
-            m = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
-            if dim is not None and dim != m.dim:
-                raise DatastoreError(f"{p}: datastore has dim {m.dim}, caller expects {dim}")
+            lock = _take_writer_lock(p)
+        try:
+            if not mpath.exists():
+                if readonly or dim is None:
+                    why = "read-only open" if readonly else "no dim given to create one"
+                    raise DatastoreError(f"{p}: no datastore there and {why}")
+                if dim <= 0 or max_segment_entries <= 0:
+                    raise DatastoreError("dim and max_segment_entries must be positive")
+                m = _Manifest(dim=int(dim), max_segment_entries=int(max_segment_entries))
+                atomic_write_text(mpath, m.to_json())
+            else:
+                m = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
+                if dim is not None and dim != m.dim:
+                    raise DatastoreError(f"{p}: datastore has dim {m.dim}, caller expects {dim}")
+        except BaseException:
+            if lock is not None:
+                os.close(lock)
+            raise
         ds = cls(p, m)
-        ds._recover()
+        ds._lock_fd = lock  # from here on, ds.close() releases the lock
+        ds._manifest_stat = _stat_key(mpath)
+        if not readonly:
+            try:
+                ds._recover(cut_tails=True)
+            except BaseException:
+                ds.close()
+                raise
         return ds
+
+    @property
+    def readonly(self) -> bool:
+        return self._lock_fd is None
+
+    def reload(self) -> bool:
+        """Read-only handles: pick up the writer's latest commit; returns whether it changed.
+
+        A no-op on the writer's own handle, whose state is always current.
+        """
+        if not self.readonly:
+            return False
+        mpath = self.path / MANIFEST
+        key = _stat_key(mpath)
+        if key == self._manifest_stat:
+            return False
+        new = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
+        with self._lock:
+            if new.truncations != self._m.truncations:
+                # A truncate may have dropped and re-created segment files: map them anew.
+                self._maps.clear()
+            self._m = new
+            self._deleted_arr = np.array(sorted(new.deleted), dtype=np.int64)
+            self._manifest_stat = key
+        return True
 
     def _files(self, seg: int) -> dict[str, Path]:
         base = self.path / _segment_name(seg)
@@ -241,8 +310,14 @@ class Datastore:
             return count * self._m.dim * _KEYS_DTYPE.itemsize
         return count * dict(_COLUMNS)[column].itemsize
 
-    def _recover(self) -> None:
-        """Cut file tails beyond the manifest, drop files it does not list, check sizes."""
+    def _recover(self, *, cut_tails: bool) -> None:
+        """Check sizes, drop files the manifest does not list and (``cut_tails``) cut file
+        tails beyond it.
+
+        Only the opening writer cuts tails: a reader in another process may still map
+        the tail of a segment that ``truncate`` shortened, and shrinking a mapped file
+        kills that reader with SIGBUS. Unlinking a mapped file is safe.
+        """
         listed: set[str] = set()
         changed = False
         for seg, count in enumerate(self._m.counts):
@@ -254,7 +329,7 @@ class Datastore:
                     raise DatastoreError(
                         f"{f}: {have} bytes on disk, manifest commits {want}: data lost"
                     )
-                if have > want:
+                if have > want and cut_tails:
                     os.truncate(f, want)
                     changed = True
         for f in self.path.iterdir():
@@ -323,7 +398,8 @@ class Datastore:
             try:
                 return self._append_locked(k16, cols, crash_at)
             except SimulatedCrash:
-                self._broken = True
+                self._broken = True  # the "process" died: let a new writer open the path
+                self.close()
                 raise
 
     def _append_locked(
@@ -353,12 +429,12 @@ class Datastore:
             for seg, off, sl in pieces:
                 f = self._files(seg)[column]
                 new_files |= not f.exists()
-                # Positional write at the committed offset, then cut anything beyond:
-                # a failed earlier attempt may have left bytes there.
+                # Positional write at the committed offset. Bytes beyond it (a failed
+                # attempt, a truncated tail) are uncommitted and are not cut here: a
+                # reader process may map them (see ``_recover``).
                 with open(f, "r+b" if f.exists() else "w+b") as fh:
                     fh.seek(self._nbytes(column, off))
                     fh.write(arr[sl].tobytes())
-                    fh.truncate()
                     fh.flush()
                     os.fsync(fh.fileno())
         if new_files:
@@ -414,8 +490,8 @@ class Datastore:
             )
             self._commit(new)
             with self._lock:
-                self._maps.clear()  # readers copy under this lock: no live view remains
-                self._recover()
+                self._maps.clear()
+                self._recover(cut_tails=False)  # the tail stays until the next writer open
 
     def delete_document(self, doc_id: int) -> int:
         """Hide every entry of ``doc_id`` (also ones appended later); returns how many
@@ -439,8 +515,12 @@ class Datastore:
             return hidden
 
     def _check_usable(self) -> None:
-        if self._broken:
-            raise DatastoreError("a simulated crash hit this Datastore object; reopen the path")
+        if self.readonly:
+            raise DatastoreError(f"{self.path}: opened read-only")
+        if self._broken or self._closed:
+            raise DatastoreError(
+                f"{self.path}: this handle is closed (or crashed); reopen the path"
+            )
 
     # --- reading ----------------------------------------------------------------------
 
@@ -620,9 +700,23 @@ class Datastore:
         }
 
     def close(self) -> None:
-        """Drop the memory maps (the object stays usable; maps are recreated on demand)."""
+        """Drop the memory maps and release the writer lock (writes then raise)."""
         with self._lock:
             self._maps.clear()
+        if self._lock_fd is not None and not self._closed:
+            self._closed = True
+            os.close(self._lock_fd)
+
+    def __del__(self) -> None:
+        # Release the writer lock when the handle is dropped without close().
+        if getattr(self, "_lock_fd", None) is not None:
+            self.close()
+
+    def __enter__(self) -> Datastore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"Datastore({str(self.path)!r}, entries={len(self)}, dim={self.dim})"

@@ -462,8 +462,13 @@ class MemoryIndex:
         return _State(built, info, valid, self._new_fresh(valid, n), n, gen)
 
     def refresh(self) -> int:
-        """Make entries appended since the last call searchable; returns how many."""
+        """Make entries appended since the last call searchable; returns how many.
+
+        Call it after every append or truncate (a read-only datastore handle first
+        reloads the writer's manifest).
+        """
         with self._writer:
+            self.datastore.reload()
             st = self._state
             n, gen = self.datastore.snapshot()
             cut = self.datastore.unchanged_below(st.generation)
@@ -492,6 +497,7 @@ class MemoryIndex:
     def reload(self) -> bool:
         """Switch to the version CURRENT names if it is newer; returns whether it did."""
         with self._writer:
+            self.datastore.reload()
             version = current_version(self.root)
             if version is None or version == self.version:
                 return False

@@ -78,6 +78,7 @@ def test_segment_rollover(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / MANIFEST).read_text())
     assert [s["entries"] for s in manifest["segments"]] == [4, 4, 2]
     assert (tmp_path / "seg-000002.keys").stat().st_size == 2 * DIM * 2
+    ds.close()
     ds = Datastore.open(tmp_path)  # the store keeps its own segment size
     assert ds.max_segment_entries == 4
     np.testing.assert_array_equal(ds.keys(np.arange(10)[::-1]), b[0][::-1])
@@ -95,7 +96,7 @@ def test_crash_at_each_point_then_reopen(tmp_path: Path, point: str) -> None:
     crashing = batch(5, 6, doc=2)  # fills segment 1 and opens segment 2
     with pytest.raises(SimulatedCrash, match=point):
         ds.append(*crashing, crash_at=point)
-    with pytest.raises(DatastoreError, match="reopen"):
+    with pytest.raises(DatastoreError, match="closed"):
         ds.append(*crashing)
 
     ds = Datastore.open(tmp_path)
@@ -108,8 +109,10 @@ def test_crash_at_each_point_then_reopen(tmp_path: Path, point: str) -> None:
         # Tails cut back, the new segment's files and the manifest temp file removed.
         assert {f.name: f.stat().st_size for f in tmp_path.iterdir()} == sizes_before
         assert ds.append(*batch(2, 7)) == range(6, 8)
-        assert len(Datastore.open(tmp_path)) == 8
-        np.testing.assert_array_equal(Datastore.open(tmp_path).keys([6, 7]), batch(2, 7)[0])
+        ds.close()
+        with Datastore.open(tmp_path) as ds:
+            assert len(ds) == 8
+            np.testing.assert_array_equal(ds.keys([6, 7]), batch(2, 7)[0])
 
 
 def test_reopen_refuses_missing_committed_bytes(tmp_path: Path) -> None:
@@ -126,20 +129,61 @@ def test_truncate(tmp_path: Path) -> None:
     gen = ds.generation
     ds.truncate(5)
     assert len(ds) == 5
-    assert sorted(f.name for f in tmp_path.glob("seg-000002.*")) == []
-    assert (tmp_path / "seg-000001.keys").stat().st_size == 1 * DIM * 2
+    assert sorted(f.name for f in tmp_path.glob("seg-000002.*")) == []  # dropped segment
+    # The cut tail of segment 1 stays on disk (a reader process may map it) until the
+    # next writer open.
+    assert (tmp_path / "seg-000001.keys").stat().st_size == 4 * DIM * 2
     assert ds.unchanged_below(gen) == 5
     assert ds.unchanged_below(ds.generation) > 10**12
     with pytest.raises(DatastoreError, match="out of range"):
         ds.keys([5])
     c = batch(3, 10)
     assert ds.append(*c) == range(5, 8)
-    ds = Datastore.open(tmp_path)
     np.testing.assert_array_equal(ds.keys(np.arange(8)), np.concatenate([b[0][:5], c[0]]))
+    ds.close()
+    ds = Datastore.open(tmp_path)
+    assert (tmp_path / "seg-000001.keys").stat().st_size == 4 * DIM * 2  # 1 + 3 entries
+    np.testing.assert_array_equal(ds.keys(np.arange(8)), np.concatenate([b[0][:5], c[0]]))
+    ds.truncate(6)
+    ds.close()
+    ds = Datastore.open(tmp_path)
+    assert (tmp_path / "seg-000001.keys").stat().st_size == 2 * DIM * 2
     ds.truncate(0)
-    assert len(Datastore.open(tmp_path)) == 0
+    assert len(Datastore.open(tmp_path, readonly=True)) == 0
     with pytest.raises(DatastoreError, match="truncate"):
         ds.truncate(1)
+
+
+def test_single_writer_and_readonly_reader(tmp_path: Path) -> None:
+    writer = Datastore.open(tmp_path, dim=DIM)
+    with pytest.raises(DatastoreError, match="another writer holds LOCK"):
+        Datastore.open(tmp_path)
+    with pytest.raises(DatastoreError, match="read-only open"):
+        Datastore.open(tmp_path / "missing", readonly=True)
+    reader = Datastore.open(tmp_path, readonly=True)
+    assert reader.readonly and not writer.readonly
+    b = batch(6, 30)
+    writer.append(*b)
+    assert len(reader) == 0  # until it reloads the manifest
+    assert reader.reload() is True
+    assert reader.reload() is False
+    np.testing.assert_array_equal(reader.keys(np.arange(6)), b[0])
+    writer.truncate(2)
+    c = batch(3, 31)
+    writer.append(*c)
+    writer.delete_document(1)
+    assert reader.reload() is True
+    np.testing.assert_array_equal(reader.keys(np.arange(5)), np.concatenate([b[0][:2], c[0]]))
+    assert reader.num_live == 0
+    with pytest.raises(DatastoreError, match="read-only"):
+        reader.append(*batch(1, 32))
+    with pytest.raises(DatastoreError, match="read-only"):
+        reader.truncate(0)
+    assert writer.reload() is False
+    writer.close()
+    with pytest.raises(DatastoreError, match="closed"):
+        writer.append(*batch(1, 33))
+    Datastore.open(tmp_path).close()  # the lock was released
 
 
 def test_delete_document_persists(tmp_path: Path) -> None:
@@ -151,6 +195,7 @@ def test_delete_document_persists(tmp_path: Path) -> None:
     assert ds.delete_document(1) == 5
     assert ds.delete_document(1) == 0
     assert ds.num_live == 4
+    ds.close()
     ds = Datastore.open(tmp_path)
     assert ds.deleted_documents == {1}
     np.testing.assert_array_equal(ds.live_mask(np.arange(9)), [0, 0, 0, 1, 1, 1, 1, 0, 0])

@@ -353,3 +353,14 @@ def test_use_gpu_true_falls_back_to_cpu(tmp_path: Path) -> None:
     d, i = MemoryIndex(ds, tmp_path / "ix").search(q, 1)
     np.testing.assert_array_equal(i[:, 0], np.arange(5))  # each key finds itself
     np.testing.assert_array_equal(d[:, 0], np.zeros(5, np.float32))
+
+
+def test_reader_process_view(ds: Datastore, tmp_path: Path) -> None:
+    fill(ds, 300, 28)
+    build_index(ds, tmp_path / "ix", FLAT, progress=False)
+    reader = Datastore.open(ds.path, readonly=True)  # as the API server opens it
+    mem = MemoryIndex(reader, tmp_path / "ix")
+    fill(ds, 50, 29)
+    assert mem.refresh() == 50
+    q = queries(4, 30)
+    np.testing.assert_array_equal(mem.search(q, 20)[1], brute_force(ds, q, 20)[1])
