@@ -39,8 +39,9 @@ def neighbour_log_weights(distances: np.ndarray, ids: np.ndarray, temperature: f
     logits = np.where(ids >= 0, -distances.astype(np.float64) / temperature, -np.inf)
     m = logits.max(axis=1, keepdims=True)
     safe_m = np.where(np.isfinite(m), m, 0.0)
-    z = np.log(np.exp(logits - safe_m).sum(axis=1, keepdims=True)) + safe_m
-    return np.where(np.isfinite(m), logits - z, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.log(np.exp(logits - safe_m).sum(axis=1, keepdims=True)) + safe_m
+        return np.where(np.isfinite(m), logits - z, -np.inf)
 
 
 def knn_logprob(

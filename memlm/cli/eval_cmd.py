@@ -1,0 +1,73 @@
+"""`memlm eval`: the streaming evaluation of memorisation policies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def eval_command(
+    corpus: str = typer.Option("news", help="'news' (bundled) or a JSONL file"),
+    out: Path = typer.Option(Path("runs/eval"), help="output directory"),
+    model: str = typer.Option("smollm2-135m", help="bundled model, HF id or local path"),
+    days: int | None = typer.Option(None, help="only the first N days of the stream"),
+    start: str | None = typer.Option(None, help="skip days before this ISO date"),
+    max_docs_per_day: int | None = typer.Option(None, help="ingest at most N documents a day"),
+    max_eval_docs_per_day: int | None = typer.Option(2, help="dev and test documents a day (each)"),
+    policies: str = typer.Option(
+        "fullmem,randmem,monim,monim-amt,monim-kl", help="comma-separated; 'bare' always runs"
+    ),
+    delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
+    kl_delta: float = typer.Option(-1.5, help="MoNIM(KL) threshold on the key's log p(x_t)"),
+    rand_rate: float | None = typer.Option(None, help="RandMem rate (default: MoNIM's MemRate)"),
+    context: int = typer.Option(512, help="window length in tokens"),
+    stride: int = typer.Option(256, help="window stride in tokens"),
+    batch_size: int = typer.Option(4, help="windows per forward pass"),
+    k: int = typer.Option(64, help="neighbours used while ingesting (MoNIM's augmented model)"),
+    temperature: float = typer.Option(5.0, help="kNN temperature while ingesting"),
+    lmbda: float = typer.Option(0.25, "--lambda", help="interpolation weight while ingesting"),
+    k_max: int = typer.Option(256, help="neighbours fetched for held-out tokens (tuning grid)"),
+    index_kind: str = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
+    seed: int = typer.Option(0),
+    threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
+    keep_stores: bool = typer.Option(False, help="keep each policy's datastore and index"),
+) -> None:
+    """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
+    import datetime as dt
+    import logging
+
+    from memlm.corpus import load_corpus
+    from memlm.encoder import WindowConfig
+    from memlm.evaluate import EvalConfig, evaluate
+    from memlm.knnlm import KnnParams
+
+    logging.basicConfig(level=logging.WARNING)
+    cfg = EvalConfig(
+        corpus=corpus,
+        model=model,
+        window=WindowConfig(context=context, stride=stride, batch_size=batch_size),
+        days=days,
+        start=dt.date.fromisoformat(start) if start else None,
+        max_docs_per_day=max_docs_per_day,
+        max_eval_docs_per_day=max_eval_docs_per_day,
+        seed=seed,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip() and p.strip() != "bare"),
+        delta=delta,
+        kl_delta=kl_delta,
+        rand_rate=rand_rate,
+        ingest=KnnParams(k=k, temperature=temperature, lmbda=lmbda),
+        k_max=k_max,
+        index_kind=index_kind,
+        threads=threads,
+        keep_stores=keep_stores,
+    )
+    report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+    from memlm.evaluate import render_markdown
+
+    typer.echo(render_markdown(report))
+    typer.echo(f"wrote {out}/report.json, report.md and plots")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)

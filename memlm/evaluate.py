@@ -1,0 +1,600 @@
+"""Streaming evaluation: how well each memorisation policy learns a dated stream.
+
+Each day of the stream: a seeded share of the day's documents is held out as dev and
+test; the rest is ingested with the policy (every token scored against the memory served
+at that moment: built index + fresh entries); at the end of the day the index is rebuilt
+and that day's dev and test documents are searched against the memory of that evening.
+Afterwards k, T and lambda are tuned on the dev tokens of all days and applied, unchanged,
+to the test tokens.  The frozen LM's per-token outputs are cached on disk, so comparing
+policies never re-encodes the stream.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memlm.corpus import Document, by_day
+from memlm.datastore import Datastore
+from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
+from memlm.index import IndexParams, MemoryIndex, build_index
+from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
+from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
+
+log = logging.getLogger(__name__)
+
+EPOCH = dt.date(1970, 1, 1)
+
+
+def day_number(d: dt.date) -> int:
+    return (d - EPOCH).days
+
+
+# --- the plan: which documents are ingested, tuned on and tested on ----------------------
+
+
+@dataclass
+class DayPlan:
+    day: dt.date
+    train: list[Document]
+    dev: list[Document]
+    test: list[Document]
+
+
+def plan_stream(
+    docs: Sequence[Document],
+    *,
+    days: int | None = None,
+    start: dt.date | None = None,
+    max_docs_per_day: int | None = None,
+    max_eval_docs_per_day: int | None = 2,
+    dev_share: float = 0.02,
+    test_share: float = 0.02,
+    seed: int = 0,
+    min_docs_per_day: int = 3,
+) -> list[DayPlan]:
+    """Split every day (seeded) into dev / test / train; slice with the limits given.
+
+    Dev and test take ``share`` of the day's documents, at least one each; days with fewer
+    than ``min_docs_per_day`` documents (stray dates in the bundled news) are ingested only.
+    The split is made on the full day before slicing, so a slice's dev and test documents
+    are the same as the full run's.
+    """
+    plans: list[DayPlan] = []
+    for day, batch in by_day(docs):
+        if start is not None and day < start:
+            continue
+        rng = np.random.default_rng([seed, day_number(day)])
+        order = [batch[i] for i in rng.permutation(len(batch))]
+        if len(batch) >= min_docs_per_day:
+            n_dev = max(1, round(dev_share * len(batch)))
+            n_test = max(1, round(test_share * len(batch)))
+        else:
+            n_dev = n_test = 0
+        dev, test, train = order[:n_dev], order[n_dev : n_dev + n_test], order[n_dev + n_test :]
+        train.sort(key=lambda d: d.id)
+        if max_docs_per_day is not None:
+            train = train[:max_docs_per_day]
+        if max_eval_docs_per_day is not None:
+            dev, test = dev[:max_eval_docs_per_day], test[:max_eval_docs_per_day]
+        plans.append(DayPlan(day, train, dev, test))
+        if days is not None and len(plans) >= days:
+            break
+    return plans
+
+
+# --- cached LM outputs ------------------------------------------------------------------------
+
+
+class TokenCache:
+    """Per-document encoder outputs on disk, keyed by model, window and token ids."""
+
+    def __init__(self, encoder: Encoder, window: WindowConfig, root: Path | None = None):
+        self.encoder, self.window = encoder, window
+        slug = encoder.name.replace("/", "_")
+        self.root = (root or cache_dir() / "encoded") / f"{slug}-c{window.context}-s{window.stride}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
+        self.encode_seconds = 0.0
+
+    def _path(self, ids: Sequence[int]) -> Path:
+        h = hashlib.sha1(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()[:20]
+        return self.root / f"{h}.npz"
+
+    def get_many(self, texts: Sequence[str], progress: bool = False) -> list[TokenOutputs]:
+        ids = [self.encoder.tokenize(t) for t in texts]
+        out: dict[int, TokenOutputs] = {}
+        missing = []
+        for i, doc_ids in enumerate(ids):
+            p = self._path(doc_ids)
+            if p.exists():
+                with np.load(p) as z:
+                    out[i] = TokenOutputs(**{f.name: z[f.name] for f in fields(TokenOutputs)})
+                    out[i].keys = out[i].keys.astype(np.float32)
+            else:
+                missing.append(i)
+        if missing:
+            t0 = time.perf_counter()
+            enc = self.encoder.encode_many(
+                [ids[i] for i in missing], self.window, progress=progress
+            )
+            self.encode_seconds += time.perf_counter() - t0
+            for i, o in zip(missing, enc, strict=True):
+                self.encoded_tokens += len(o)
+                p = self._path(ids[i])
+                tmp = p.with_suffix(".tmp.npz")
+                arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
+                arrays["keys"] = o.keys.astype(np.float16)  # the datastore keeps float16 keys
+                np.savez(tmp, **arrays)
+                tmp.replace(p)
+                o.keys = o.keys.astype(np.float16).astype(np.float32)  # same values as a reload
+                out[i] = o
+        return [out[i] for i in range(len(texts))]
+
+
+# --- one policy over the stream -------------------------------------------------------------
+
+
+@dataclass
+class EvalTokens:
+    """Search results of held-out tokens, kept for tuning; rows are tokens."""
+
+    target_lm_logprob: list[np.ndarray] = field(default_factory=list)
+    distances: list[np.ndarray] = field(default_factory=list)  # (n, k_max) float32
+    values: list[np.ndarray] = field(default_factory=list)  # (n, k_max) int32, -1 padding
+    day: list[np.ndarray] = field(default_factory=list)  # (n,) int32 day number
+    doc: list[np.ndarray] = field(default_factory=list)  # (n,) int32 index of the doc in the plan
+    gold: list[np.ndarray] = field(default_factory=list)  # (n,) int64 gold token
+
+    def add(self, o: TokenOutputs, dist: np.ndarray, vals: np.ndarray, day: int, doc: int) -> None:
+        self.target_lm_logprob.append(o.target_logprob.astype(np.float64))
+        self.distances.append(dist)
+        self.values.append(vals)
+        self.day.append(np.full(len(o), day, np.int32))
+        self.doc.append(np.full(len(o), doc, np.int32))
+        self.gold.append(o.targets)
+
+    def arrays(self, k_max: int) -> dict[str, np.ndarray]:
+        if not self.target_lm_logprob:
+            return {
+                "target_lm_logprob": np.zeros(0),
+                "distances": np.zeros((0, k_max), np.float32),
+                "values": np.zeros((0, k_max), np.int32),
+                "day": np.zeros(0, np.int32),
+                "doc": np.zeros(0, np.int32),
+                "gold": np.zeros(0, np.int64),
+            }
+        return {f.name: np.concatenate(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class DayStats:
+    day: str
+    tokens_seen: int
+    tokens_stored: int
+    entries: int
+    seconds: float
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    days: list[DayStats]
+    dev: dict[str, np.ndarray]
+    test: dict[str, np.ndarray]
+    entries: int
+    tokens_seen: int
+    tokens_stored: int
+
+    @property
+    def memrate(self) -> float:
+        return self.tokens_stored / self.tokens_seen if self.tokens_seen else 0.0
+
+
+def _search_values(
+    index: MemoryIndex, ds: Datastore, keys: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    if len(keys) == 0 or index.num_entries == 0:
+        return np.full((len(keys), k), np.inf, np.float32), np.full((len(keys), k), -1, np.int32)
+    dist, ids = index.search(keys, k)
+    vals = np.full(ids.shape, -1, np.int32)
+    ok = ids >= 0
+    vals[ok] = ds.values(ids[ok])
+    return dist, vals
+
+
+def score_tokens(
+    encoder: Encoder,
+    o: TokenOutputs,
+    dist: np.ndarray,
+    vals: np.ndarray,
+    params: KnnParams,
+) -> TokenScores:
+    """The augmented-model scores of one document's tokens for the policies."""
+    ids = np.where(vals >= 0, 0, -1)
+    value_lm = encoder.logprobs_for(o.hidden, o.lse, np.maximum(vals, 0))
+    aug = augmented_scores(
+        o.target_logprob, o.top_logprob, o.top_id, o.targets, dist, ids, vals, value_lm, params
+    )
+    return TokenScores(aug.target_logprob, aug.max_logprob, o.key_ce)
+
+
+def run_policy(
+    policy: Policy | None,
+    plans: Sequence[DayPlan],
+    cache: TokenCache,
+    workdir: Path,
+    *,
+    ingest_params: KnnParams,
+    k_max: int,
+    index_kind: str = "auto",
+    on_day: Callable[[DayStats], None] | None = None,
+) -> PolicyRun:
+    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens."""
+    name = policy.name if policy is not None else "bare"
+    shutil.rmtree(workdir, ignore_errors=True)
+    ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
+    index = MemoryIndex(ds, workdir / "index")
+    dev, test = EvalTokens(), EvalTokens()
+    days: list[DayStats] = []
+    seen = stored = 0
+    doc_no = 0
+    for plan in plans:
+        t0 = time.perf_counter()
+        dnum = day_number(plan.day)
+        day_seen = day_stored = 0
+        outs = cache.get_many([d.text for d in plan.train])
+        for o in outs:
+            doc_no += 1
+            n = len(o)
+            day_seen += n
+            if policy is None or n == 0:
+                continue
+            if policy.needs_augmented:
+                dist, vals = _search_values(index, ds, o.keys, ingest_params.k)
+                scores = score_tokens(cache.encoder, o, dist, vals, ingest_params)
+            else:
+                nan = np.full(n, np.nan)
+                scores = TokenScores(nan, nan, o.key_ce)
+            mask = policy.decide(scores)
+            if mask.any():
+                ds.append(
+                    o.keys[mask].astype(np.float16),
+                    o.targets[mask].astype(np.int32),
+                    np.full(int(mask.sum()), doc_no, np.int64),
+                    o.positions[mask],
+                    np.full(int(mask.sum()), dnum, np.int32),
+                )
+                index.refresh()
+            day_stored += int(mask.sum())
+        if policy is not None and len(ds) > 0:
+            params = IndexParams.for_size(ds.num_live, ds.dim)
+            if index_kind == "flat":
+                params = IndexParams(
+                    kind="flat", nlist=1, m=1, nprobe=1, train_size=0, rerank_factor=1
+                )
+            build_index(ds, workdir / "index", params, progress=False)
+            index.reload()
+        for split, docs in (("dev", plan.dev), ("test", plan.test)):
+            target = dev if split == "dev" else test
+            for i, o in enumerate(cache.get_many([d.text for d in docs])):
+                dist, vals = _search_values(index, ds, o.keys, k_max)
+                target.add(o, dist, vals, dnum, i)
+        seen += day_seen
+        stored += day_stored
+        stats = DayStats(
+            plan.day.isoformat(), day_seen, day_stored, ds.num_live, time.perf_counter() - t0
+        )
+        days.append(stats)
+        if on_day:
+            on_day(stats)
+    return PolicyRun(name, days, dev.arrays(k_max), test.arrays(k_max), ds.num_live, seen, stored)
+
+
+# --- tuning on dev, scoring test -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TuneGrid:
+    ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    lambdas: tuple[float, ...] = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+def token_logprobs(split: dict[str, np.ndarray], params: KnnParams) -> np.ndarray:
+    """Augmented log p(gold) of each held-out token under ``params``."""
+    k = min(params.k, split["values"].shape[1])
+    vals = split["values"][:, :k]
+    ids = np.where(vals >= 0, 0, -1)
+    gold = split["gold"][:, None]
+    knn = knn_logprob(split["distances"][:, :k], ids, vals, gold, params.temperature)[:, 0]
+    return interpolate(split["target_lm_logprob"], knn, params.lmbda, has_neighbours(ids))
+
+
+def ppl(logprobs: np.ndarray) -> float:
+    return float(math.exp(-float(np.mean(logprobs)))) if logprobs.size else float("nan")
+
+
+def tune(split: dict[str, np.ndarray], grid: TuneGrid) -> tuple[KnnParams, float]:
+    """The (k, T, lambda) with the lowest perplexity on ``split``."""
+    best: tuple[float, KnnParams] | None = None
+    if split["values"].size == 0 or (split["values"] < 0).all():
+        return KnnParams(lmbda=0.0), ppl(split["target_lm_logprob"])
+    k_max = split["values"].shape[1]
+    for k in grid.ks:
+        if k > k_max:
+            continue
+        for t in grid.temperatures:
+            base = KnnParams(k=k, temperature=t, lmbda=0.0)
+            vals = split["values"][:, :k]
+            ids = np.where(vals >= 0, 0, -1)
+            knn = knn_logprob(split["distances"][:, :k], ids, vals, split["gold"][:, None], t)[:, 0]
+            valid = has_neighbours(ids)
+            for lam in grid.lambdas:
+                p = ppl(interpolate(split["target_lm_logprob"], knn, lam, valid))
+                if best is None or p < best[0]:
+                    best = (p, KnnParams(k=base.k, temperature=t, lmbda=lam))
+    assert best is not None
+    return best[1], best[0]
+
+
+# --- the whole evaluation --------------------------------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    corpus: str = "news"
+    model: str = "smollm2-135m"
+    window: WindowConfig = field(default_factory=WindowConfig)
+    days: int | None = None
+    start: dt.date | None = None
+    max_docs_per_day: int | None = None
+    max_eval_docs_per_day: int | None = 2
+    dev_share: float = 0.02
+    test_share: float = 0.02
+    seed: int = 0
+    policies: tuple[str, ...] = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+    delta: float = DEFAULT_DELTA
+    kl_delta: float = DEFAULT_DELTA
+    rand_rate: float | None = None  # None: MoNIM's measured rate (0.5 if MoNIM is not run)
+    ingest: KnnParams = field(default_factory=KnnParams)
+    k_max: int = 256
+    index_kind: str = "auto"
+    grid: TuneGrid = field(default_factory=TuneGrid)
+    threads: int | None = None
+    keep_stores: bool = False
+
+
+def evaluate(
+    cfg: EvalConfig,
+    docs: Sequence[Document],
+    out: Path,
+    *,
+    encoder: Encoder | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every policy over the stream slice and write report.json, report.md and plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
+    if "monim-kl" in cfg.policies:
+        encoder.compute_key_ce = True
+    plans = plan_stream(
+        docs,
+        days=cfg.days,
+        start=cfg.start,
+        max_docs_per_day=cfg.max_docs_per_day,
+        max_eval_docs_per_day=cfg.max_eval_docs_per_day,
+        dev_share=cfg.dev_share,
+        test_share=cfg.test_share,
+        seed=cfg.seed,
+    )
+    cache = TokenCache(encoder, cfg.window, root=None)
+    if encoder.compute_key_ce:
+        cache.root = cache.root.with_name(cache.root.name + "-kce")
+        cache.root.mkdir(parents=True, exist_ok=True)
+    n_train = sum(len(p.train) for p in plans)
+    echo(
+        f"{len(plans)} days, {n_train} ingested documents, "
+        f"{sum(len(p.dev) for p in plans)} dev / {sum(len(p.test) for p in plans)} test documents"
+    )
+    # Encode everything once (cached across runs), with a progress bar.
+    all_texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
+    cache.get_many(all_texts, progress=True)
+    echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
+
+    order = [
+        p for p in ("fullmem", "monim", "monim-amt", "monim-kl", "randmem") if p in cfg.policies
+    ]
+    unknown = set(cfg.policies) - set(order) - {"bare"}
+    if unknown:
+        raise ValueError(f"unknown policies: {sorted(unknown)}")
+    runs: dict[str, PolicyRun] = {}
+    workroot = out / "work"
+    for name in ["bare", *order]:
+        if name == "randmem":
+            rate = cfg.rand_rate
+            if rate is None:
+                rate = runs["monim"].memrate if "monim" in runs else 0.5
+            policy: Policy | None = make_policy("randmem", rate=rate, seed=cfg.seed)
+        elif name == "bare":
+            policy = None
+        else:
+            policy = make_policy(name, delta=cfg.kl_delta if name == "monim-kl" else cfg.delta)
+        t0 = time.perf_counter()
+        run = run_policy(
+            policy,
+            plans,
+            cache,
+            workroot / name,
+            ingest_params=cfg.ingest,
+            k_max=cfg.k_max,
+            index_kind=cfg.index_kind,
+        )
+        runs[name] = run
+        echo(
+            f"{name:10s} memrate {run.memrate:6.1%} entries {run.entries:8d} ({time.perf_counter() - t0:.0f} s)"
+        )
+        if not cfg.keep_stores:
+            shutil.rmtree(workroot / name, ignore_errors=True)
+
+    report = _report(cfg, plans, runs, time.perf_counter() - t_start, cache)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(render_markdown(report))
+    _plots(report, out)
+    return report
+
+
+def _report(
+    cfg: EvalConfig,
+    plans: Sequence[DayPlan],
+    runs: dict[str, PolicyRun],
+    seconds: float,
+    cache: TokenCache,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    per_day: dict[str, list[dict[str, Any]]] = {}
+    test_months = np.array([plans_day_month(d) for d in runs["bare"].test["day"]])
+    for name, run in runs.items():
+        if name == "bare":
+            params, dev_ppl = KnnParams(lmbda=0.0), ppl(run.dev["target_lm_logprob"])
+            test_lp = run.test["target_lm_logprob"]
+        else:
+            params, dev_ppl = tune(run.dev, cfg.grid)
+            test_lp = token_logprobs(run.test, params)
+        results[name] = {
+            "test_ppl": ppl(test_lp),
+            "dev_ppl": dev_ppl,
+            "memrate": run.memrate,
+            "entries": run.entries,
+            "tokens_seen": run.tokens_seen,
+            "lambda": params.lmbda,
+            "temperature": params.temperature,
+            "k": params.k,
+            "test_tokens": int(test_lp.size),
+            "dev_tokens": int(run.dev["target_lm_logprob"].size),
+            "test_ppl_per_month": {
+                m: ppl(test_lp[test_months == m]) for m in sorted(set(test_months.tolist()))
+            },
+        }
+        rows = []
+        cum_seen = cum_stored = 0
+        for ds_ in run.days:
+            cum_seen += ds_.tokens_seen
+            cum_stored += ds_.tokens_stored
+            dnum = day_number(dt.date.fromisoformat(ds_.day))
+            sofar = test_lp[run.test["day"] <= dnum]
+            rows.append(
+                {
+                    "day": ds_.day,
+                    "tokens_seen": ds_.tokens_seen,
+                    "stored": ds_.tokens_stored,
+                    "entries": ds_.entries,
+                    "memrate_cumulative": cum_stored / cum_seen if cum_seen else 0.0,
+                    "test_ppl_so_far": ppl(sofar),
+                    "seconds": round(ds_.seconds, 2),
+                }
+            )
+        per_day[name] = rows
+    return {
+        "settings": {
+            "model": cfg.model,
+            "corpus": cfg.corpus,
+            "slice": {
+                "days": len(plans),
+                "first_day": plans[0].day.isoformat() if plans else None,
+                "last_day": plans[-1].day.isoformat() if plans else None,
+                "max_docs_per_day": cfg.max_docs_per_day,
+                "max_eval_docs_per_day": cfg.max_eval_docs_per_day,
+                "train_documents": sum(len(p.train) for p in plans),
+                "dev_documents": sum(len(p.dev) for p in plans),
+                "test_documents": sum(len(p.test) for p in plans),
+            },
+            "window": asdict(cfg.window),
+            "k_max": cfg.k_max,
+            "ingest_knn": asdict(cfg.ingest),
+            "delta": cfg.delta,
+            "kl_delta": cfg.kl_delta,
+            "rand_rate": runs["randmem"].memrate if "randmem" in runs else None,
+            "seeds": {"split": cfg.seed, "randmem": cfg.seed},
+            "index_kind": cfg.index_kind,
+            "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to test",
+            "lambda_mode": "constant",
+            "seconds": round(seconds, 1),
+            "encoded_tokens_this_run": cache.encoded_tokens,
+        },
+        "results": results,
+        "per_day": per_day,
+    }
+
+
+def plans_day_month(day_num: int) -> str:
+    d = EPOCH + dt.timedelta(days=int(day_num))
+    return f"{d.year:04d}-{d.month:02d}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    sl = s["slice"]
+    lines = [
+        f"# memlm eval: {s['corpus']} with {s['model']}",
+        "",
+        f"{sl['days']} days ({sl['first_day']} .. {sl['last_day']}), {sl['train_documents']} ingested "
+        f"documents, {sl['dev_documents']} dev / {sl['test_documents']} test documents; window "
+        f"{s['window']['context']} tokens, stride {s['window']['stride']}; k, T, lambda tuned on dev.",
+        "",
+        "| policy | test ppl | dev ppl | MemRate | entries | tokens seen | lambda | T | k |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in report["results"].items():
+        lines.append(
+            f"| {name} | {r['test_ppl']:.2f} | {r['dev_ppl']:.2f} | {r['memrate']:.1%} | {r['entries']} "
+            f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature']:g} | {r['k']} |"
+        )
+    months = sorted({m for r in report["results"].values() for m in r["test_ppl_per_month"]})
+    if months:
+        lines += ["", "Test perplexity per month:", "", "| policy | " + " | ".join(months) + " |"]
+        lines.append("|---|" + "---:|" * len(months))
+        for name, r in report["results"].items():
+            cells = [f"{r['test_ppl_per_month'].get(m, float('nan')):.2f}" for m in months]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"Total time {s['seconds']} s."]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_day = report["per_day"]
+    policies = [p for p in per_day if p != "bare"]
+    specs = [
+        ("memrate.png", "cumulative MemRate", lambda r: r["memrate_cumulative"], policies),
+        ("memory_growth.png", "entries in memory", lambda r: r["entries"], policies),
+        ("perplexity.png", "test perplexity so far", lambda r: r["test_ppl_so_far"], list(per_day)),
+    ]
+    for fname, ylabel, fn, names in specs:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in names:
+            rows = per_day[name]
+            ax.plot(range(1, len(rows) + 1), [fn(r) for r in rows], marker="o", ms=3, label=name)
+        ax.set_xlabel("stream day")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
