@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session, sessionmaker
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -67,3 +68,19 @@ def pg_url(pg_schema_url: str) -> str:
 
     upgrade(pg_schema_url)
     return pg_schema_url
+
+
+@pytest.fixture
+def make_sessions() -> Iterator[Callable[[str], sessionmaker[Session]]]:
+    """A session factory per URL; their engines are disposed after the test."""
+    from memlm.db.session import make_engine, make_sessionmaker
+
+    engines: list[Engine] = []
+
+    def make(url: str) -> sessionmaker[Session]:
+        engines.append(make_engine(url))
+        return make_sessionmaker(engines[-1])
+
+    yield make
+    for e in engines:
+        e.dispose()

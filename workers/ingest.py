@@ -212,6 +212,8 @@ class IngestWorker:
             # start also handles a crash here; this handles a live database error.
             log.exception("commit of document %d failed; rolling the datastore back", doc_id)
             self._cut_uncommitted()
+            with self.sessions.begin() as s:
+                DocumentRepository(s).release(doc_id)
             raise
         self.done += 1
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)

@@ -141,6 +141,14 @@ class DocumentRepository:
         )
         return int(res.rowcount)  # type: ignore[attr-defined]
 
+    def release(self, doc_id: int) -> None:
+        """Give a claimed document back to the queue."""
+        self.s.execute(
+            update(Document)
+            .where(Document.id == doc_id, Document.status == "processing")
+            .values(status="pending", claimed_by=None, claimed_at=None)
+        )
+
     def committed_end(self) -> int:
         """End of the datastore prefix owned by committed documents."""
         owners = ("done", "forgetting", "forgotten")

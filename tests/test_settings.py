@@ -1,0 +1,62 @@
+"""The one settings object: environment, defaults, and refusals at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from memlm.settings import DEFAULT_SECRET, Settings
+
+
+def make(**kw: Any) -> Settings:
+    return Settings(_env_file=None, **kw)  # type: ignore[call-arg]
+
+
+def test_defaults_are_the_embedded_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = make()
+    assert s.env == "development" and s.model == "smollm2-135m" and s.policy == "monim"
+    assert s.delta == -1.5 and s.rebuild_cron == "0 3 * * *"
+    assert s.db_url == f"sqlite:///{tmp_path / 'memlm-data' / 'memlm.sqlite'}"
+    assert s.ingest_token.get_secret_value() == DEFAULT_SECRET and s.uses_default_secret()
+
+
+def test_environment_variables_use_the_prefix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MEMLM_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("MEMLM_DATABASE_URL", "postgresql+psycopg://u@h/db")
+    monkeypatch.setenv("MEMLM_THREADS", "1")
+    monkeypatch.setenv("MEMLM_ADMIN_TOKEN", "a")
+    s = make()
+    assert s.data_dir == tmp_path and s.threads == 1
+    assert s.db_url == "postgresql+psycopg://u@h/db"
+    assert s.admin_token.get_secret_value() == "a"
+    assert s.datastore_dir == tmp_path / "memory"
+
+
+def test_default_secret_refused_outside_development() -> None:
+    with pytest.raises(ValidationError, match="MEMLM_ADMIN_TOKEN is the development default"):
+        make(env="production", ingest_token="real")
+    with pytest.raises(ValidationError, match="MEMLM_INGEST_TOKEN"):
+        make(env="test", admin_token="real")
+    ok = make(env="production", ingest_token="i", admin_token="a")
+    assert not ok.uses_default_secret()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("policy", "everything", "unknown policy"),
+        ("rebuild_cron", "every night", "5 fields"),
+        ("database_url", "mysql://x", "sqlite:// or postgresql"),
+        ("queue_size", 0, "greater than or equal to 1"),
+        ("knn_lambda", 1.5, "less than or equal to 1"),
+    ],
+)
+def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        make(**{field: value})

@@ -1,0 +1,197 @@
+"""The ingest worker over the exact fake engine: order, failures, crash-resume, the lock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from memlm.db.models import DayStat, Document
+from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.settings import Settings
+from tests.fakes import FakeEngine
+from tests.service_helpers import make_settings
+from workers.ingest import DatastoreAhead, IngestWorker, Processed, SimulatedCrash
+from workers.lock import LockBusy
+
+
+def add(sessions: Sessions, *texts: str, day: str = "2017-02-07") -> list[int]:
+    import datetime as dt
+
+    with sessions.begin() as s:
+        accepted = DocumentRepository(s).add_many(
+            NewDocument(text=t, published_at=dt.date.fromisoformat(day), source="t") for t in texts
+        )
+    return [a.id for a in accepted]
+
+
+Sessions = sessionmaker[Session]
+Setup = tuple[Settings, Sessions, FakeEngine, Callable[[], IngestWorker]]
+
+
+def _get(s: Session, doc_id: int) -> Document:
+    d = s.get(Document, doc_id)
+    assert d is not None
+    return d
+
+
+def by_name(name: str, delta: float, params: dict[str, object]) -> str:
+    return name
+
+
+@pytest.fixture
+def setup(
+    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
+) -> Iterator[Setup]:
+    settings = make_settings(tmp_path, sqlite_url)
+    sessions = make_sessions(sqlite_url)
+    engine = FakeEngine()
+    workers: list[IngestWorker] = []
+
+    def new_worker() -> IngestWorker:
+        w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+        workers.append(w)
+        return w
+
+    yield settings, sessions, engine, new_worker
+    for w in workers:
+        w.lock.release()
+
+
+def day_rows(sessions: Sessions) -> list[tuple[int, int, int]]:
+    with sessions() as s:
+        return [(r.documents, r.tokens_seen, r.tokens_stored) for r in s.scalars(select(DayStat))]
+
+
+def test_crash_between_append_and_commit_loses_nothing_and_counts_nothing_twice(
+    setup: Setup,
+) -> None:
+    settings, sessions, engine, new_worker = setup
+    first, second = add(sessions, "a b c d", "x y z")
+    w = new_worker()
+    w.start(timeout=1)
+    out = w.step()
+    assert isinstance(out, Processed)
+    assert (out.document_id, out.status, out.tokens_seen, out.tokens_stored) == (
+        first,
+        "done",
+        3,
+        3,
+    )
+    with pytest.raises(SimulatedCrash):
+        w.step(crash_at="after_append")
+    # The crash left 2 appended entries that no committed document owns.
+    assert len(engine.entries) == 5
+    with sessions() as s:
+        assert _get(s, second).status == "processing"
+    w.lock.release()
+
+    restarted = new_worker()
+    rec = restarted.start(timeout=1)
+    assert (rec.released_documents, rec.datastore_before, rec.datastore_after) == (1, 5, 3)
+    assert len(engine.entries) == 3
+    out = restarted.step()
+    assert isinstance(out, Processed) and out.document_id == second and out.status == "done"
+    assert restarted.step() is None
+    assert len(engine.entries) == 5
+    with sessions() as s:
+        d = s.get(Document, second)
+        assert d is not None and (d.entry_start, d.entry_end, d.status) == (3, 5, "done")
+    assert day_rows(sessions) == [(2, 5, 5)]  # two documents, each counted once
+    # The engine saw the second document twice; the database and the memory once.
+    assert engine.processed == [first, second, second]
+
+
+def test_failed_commit_rolls_the_datastore_back(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, sessions, engine, new_worker = setup
+    [doc_id] = add(sessions, "a b c")
+    w = new_worker()
+    w.start(timeout=1)
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr("workers.ingest.StatsRepository.add_document", broken)
+    with pytest.raises(RuntimeError, match="went away"):
+        w.step()
+    assert engine.entries == []
+    with sessions() as s:
+        assert _get(s, doc_id).status == "pending"
+    monkeypatch.undo()
+    assert isinstance(w.step(), Processed)
+    assert day_rows(sessions) == [(1, 2, 2)]
+
+
+def test_failure_truncates_partial_appends_and_queue_goes_on(setup: Setup) -> None:
+    settings, sessions, engine, new_worker = setup
+    bad, good = add(sessions, "a poison b", "c d")
+    engine.fail_on = "poison"
+    w = new_worker()
+    w.start(timeout=1)
+    assert w.step() == Processed(bad, "failed")
+    out = w.step()
+    assert isinstance(out, Processed) and (out.document_id, out.status) == (good, "done")
+    with sessions() as s:
+        assert _get(s, bad).error == "ValueError: cannot encode the word 'poison'"
+
+
+def test_unexpected_failure_reason_hides_the_exception_text(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, sessions, engine, new_worker = setup
+    [doc_id] = add(sessions, "a b")
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise KeyError("/secret/path")
+
+    monkeypatch.setattr(engine, "process_document", boom)
+    w = new_worker()
+    w.start(timeout=1)
+    w.step()
+    with sessions() as s:
+        err = _get(s, doc_id).error
+    assert err == "internal error while processing the document (details in the worker log)"
+
+
+def test_second_worker_waits_for_the_datastore_lock(setup: Setup) -> None:
+    settings, sessions, engine, new_worker = setup
+    first = new_worker()
+    first.start(timeout=1)
+    with pytest.raises(LockBusy):
+        new_worker().start(timeout=0.2)
+    first.lock.release()
+    new_worker().start(timeout=1)
+
+
+def test_datastore_shorter_than_committed_documents_is_refused(setup: Setup) -> None:
+    settings, sessions, engine, new_worker = setup
+    add(sessions, "a b c")
+    w = new_worker()
+    w.start(timeout=1)
+    w.step()
+    w.lock.release()
+    engine.entries.clear()  # the data directory was replaced behind the database's back
+    with pytest.raises(DatastoreAhead, match="0 entries but committed documents own 2"):
+        new_worker().start(timeout=1)
+
+
+def test_run_loop_processes_until_stopped(setup: Setup) -> None:
+    import threading
+    import time
+
+    settings, sessions, engine, new_worker = setup
+    ids = add(sessions, "a b", "c d", "e f")
+    stop = threading.Event()
+    t = threading.Thread(target=new_worker().run, args=(stop,))
+    t.start()
+    deadline = time.monotonic() + 10
+    while engine.processed != ids and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    t.join(5)
+    assert engine.processed == ids and not t.is_alive()
