@@ -1,0 +1,351 @@
+"""The engine facade: one object that the service and the workers drive.
+
+It owns the encoder, the datastore and the served memory index of one data directory,
+and offers the operations of the data flow in DESIGN.md: memorise a document with a
+policy, predict the next token, score a text, rebuild the index, forget a document.
+No database and no HTTP here; the caller commits its own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memlm.datastore import Datastore, SimulatedCrash
+from memlm.encoder import BUNDLED_MODEL, Encoder, TokenOutputs, WindowConfig
+from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
+from memlm.knnlm import KnnParams, augmented_scores, has_neighbours
+from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
+
+__all__ = ["Engine", "make_policy"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
+
+
+class EngineInputError(ValueError):
+    """The text given to the engine cannot be used (empty after tokenisation...)."""
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    tokens_seen: int
+    tokens_stored: int
+    first_entry: int  # datastore ids [first_entry, end_entry) hold this document's entries
+    end_entry: int
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    token: str
+    token_id: int
+    prob: float
+    lm_prob: float
+    knn_prob: float
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    entry_id: int
+    doc_id: int
+    position: int  # token position of the value in its document
+    token: str
+    token_id: int
+    distance: float  # squared L2
+    day: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    suggestions: list[Suggestion]
+    lam: float
+    neighbours: list[Neighbour]
+    context_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    tokens: list[str]  # the scored tokens (every token but the first)
+    lm_logprobs: list[float]
+    logprobs: list[float]
+    lm_ppl: float
+    ppl: float
+    would_store: list[bool]
+
+
+class Engine:
+    """Encoder + datastore + memory index of one data directory."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        encoder: Encoder,
+        *,
+        knn: KnnParams | None = None,
+        policy: Policy | None = None,
+        window: WindowConfig | None = None,
+    ):
+        self.data_dir = Path(data_dir)
+        self.encoder = encoder
+        self.knn = knn or KnnParams()
+        self.policy = policy or make_policy("monim")
+        self.window = window or WindowConfig()
+        self.datastore = Datastore.open(self.data_dir / "datastore", dim=encoder.dim)
+        self.index = MemoryIndex(self.datastore, self.data_dir / "index")
+        self._write_lock = threading.Lock()  # one appender (datastore is single-writer)
+        self._build_lock = threading.Lock()
+        self._set_key_ce(self.policy)
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: Path,
+        *,
+        model: str = BUNDLED_MODEL,
+        knn: KnnParams | None = None,
+        policy: str | Policy = "monim",
+        delta: float = DEFAULT_DELTA,
+        rate: float = 0.5,
+        threads: int | None = None,
+        encoder: Encoder | None = None,
+        window: WindowConfig | None = None,
+    ) -> Engine:
+        """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
+        enc = encoder or Encoder.load(model, threads=threads)
+        pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
+        return cls(Path(data_dir), enc, knn=knn, policy=pol, window=window)
+
+    def _set_key_ce(self, policy: Policy) -> None:
+        if policy.needs_key_ce:
+            self.encoder.compute_key_ce = True
+
+    def _policy(self, policy: Policy | str | None) -> Policy:
+        if policy is None:
+            return self.policy
+        p = make_policy(policy) if isinstance(policy, str) else policy
+        self._set_key_ce(p)
+        return p
+
+    # --- memory lookups --------------------------------------------------------------------
+
+    def _search(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(distances, entry ids, values) of the k nearest live entries; -1 pads."""
+        n = len(keys)
+        if n == 0 or self.index.num_entries == 0:
+            return (
+                np.full((n, k), np.inf, np.float32),
+                np.full((n, k), -1, np.int64),
+                np.full((n, k), -1, np.int32),
+            )
+        dist, ids = self.index.search(keys.astype(np.float32), k)
+        vals = np.full(ids.shape, -1, np.int32)
+        ok = ids >= 0
+        vals[ok] = self.datastore.values(ids[ok])
+        return dist, ids, vals
+
+    def _scores(self, out: TokenOutputs, policy: Policy) -> tuple[TokenScores, np.ndarray]:
+        """Policy scores of one document's tokens and the augmented log p(gold)."""
+        dist, ids, vals = self._search(out.keys, self.knn.k)
+        value_lm = self.encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
+        aug = augmented_scores(
+            out.target_logprob,
+            out.top_logprob,
+            out.top_id,
+            out.targets,
+            dist,
+            ids,
+            vals,
+            value_lm,
+            self.knn,
+        )
+        return TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce), aug.target_logprob
+
+    def _encode(self, text: str) -> tuple[list[int], TokenOutputs]:
+        ids = self.encoder.tokenize(text)
+        if len(ids) < 2:
+            raise EngineInputError("the text must hold at least two tokens")
+        return ids, self.encoder.encode_ids(ids, self.window)
+
+    # --- the data flow ---------------------------------------------------------------------
+
+    def process_document(
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        crash_at: str | None = None,
+    ) -> IngestResult:
+        """Encode, score against the memory served now, apply the policy, append durably."""
+        pol = self._policy(policy)
+        _, out = self._encode(text)
+        if pol.needs_augmented:
+            scores, _ = self._scores(out, pol)
+        else:
+            nan = np.full(len(out), np.nan)
+            scores = TokenScores(nan, nan, out.key_ce)
+        mask = pol.decide(scores)
+        n = int(mask.sum())
+        with self._write_lock:
+            first = len(self.datastore)
+            if n:
+                self.datastore.append(
+                    out.keys[mask].astype(np.float16),
+                    out.targets[mask].astype(np.int32),
+                    np.full(n, doc_id, np.int64),
+                    out.positions[mask],
+                    np.full(n, day, np.int32),
+                )
+                self.index.refresh()
+            end = len(self.datastore)
+        if crash_at == "after_append":
+            raise SimulatedCrash("engine: crash after the append, before the caller commits")
+        return IngestResult(len(out), n, first, end)
+
+    @torch.inference_mode()
+    def _last_position(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        window = ids[-self.window.context :]
+        batch = torch.tensor([window], dtype=torch.long)
+        keys, hidden = self.encoder._forward(batch, torch.ones_like(batch))
+        return keys[0, -1:].float().numpy(), hidden[0, -1:].float().numpy()
+
+    def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
+        """Top-N next tokens under (1 - lambda) p_LM + lambda p_kNN, with neighbours."""
+        ids = self.encoder.tokenize(context)
+        if not ids:
+            raise EngineInputError("the context is empty after tokenisation")
+        key, hidden = self._last_position(ids)
+        lm = np.exp(self.encoder.full_logprobs(hidden)[0])  # (V,)
+        k = max(self.knn.k, neighbours)
+        dist, eids, vals = self._search(key, k)
+        knn = np.zeros_like(lm)
+        valid = bool(has_neighbours(eids[:, : self.knn.k])[0])
+        if valid:
+            d, v = dist[0, : self.knn.k], vals[0, : self.knn.k]
+            ok = v >= 0
+            w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
+            np.add.at(knn, v[ok], w / w.sum())
+        lam = self.knn.lmbda if valid else 0.0
+        mix = (1 - lam) * lm + lam * knn
+        top = np.argsort(-mix)[:top_n]
+        strings = self.encoder.token_strings(top.tolist())
+        sugg = [
+            Suggestion(s, int(t), float(mix[t]), float(lm[t]), float(knn[t]))
+            for s, t in zip(strings, top, strict=True)
+        ]
+        nbrs: list[Neighbour] = []
+        if neighbours:
+            sel = eids[0, :neighbours]
+            sel = sel[sel >= 0]
+            if len(sel):
+                docs, pos, days = self.datastore.provenance(sel)
+                toks = self.encoder.token_strings(vals[0, : len(sel)].tolist())
+                nbrs = [
+                    Neighbour(int(e), int(dd), int(p), tok, int(v), float(di), int(dy))
+                    for e, dd, p, tok, v, di, dy in zip(
+                        sel,
+                        docs,
+                        pos,
+                        toks,
+                        vals[0, : len(sel)],
+                        dist[0, : len(sel)],
+                        days,
+                        strict=True,
+                    )
+                ]
+        return Prediction(sugg, float(lam), nbrs, len(ids))
+
+    def score(self, text: str, *, policy: Policy | str | None = None) -> ScoreResult:
+        """Per-token log-probabilities under the LM and the augmented model."""
+        pol = self._policy(policy)
+        _, out = self._encode(text)
+        scores, aug = self._scores(out, pol)
+        if not pol.needs_augmented and pol.needs_key_ce:
+            scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
+        store = pol.decide(scores)
+        lm = out.target_logprob.astype(np.float64)
+        return ScoreResult(
+            tokens=self.encoder.token_strings(out.targets.tolist()),
+            lm_logprobs=lm.tolist(),
+            logprobs=aug.astype(np.float64).tolist(),
+            lm_ppl=math.exp(-float(lm.mean())),
+            ppl=math.exp(-float(np.mean(aug))),
+            would_store=store.astype(bool).tolist(),
+        )
+
+    def char_span(self, text: str, position: int) -> tuple[int, int]:
+        """Character offsets of token ``position`` of ``text`` (for provenance snippets)."""
+        spans = self.encoder.char_offsets(text)
+        if not 0 <= position < len(spans):
+            raise EngineInputError(
+                f"token position {position} outside the text's {len(spans)} tokens"
+            )
+        return spans[position]
+
+    # --- maintenance ---------------------------------------------------------------------------
+
+    def rebuild(
+        self, *, crash_at: str | None = None, params: IndexParams | None = None
+    ) -> BuildInfo:
+        """Build a new index version from the live entries and serve it."""
+        with self._build_lock:
+            info = build_index(
+                self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
+            )
+            prune(self.data_dir / "index", keep=3)
+        self.index.reload()
+        return info
+
+    def reload_index(self) -> bool:
+        """Serve the newest built version if another process built one."""
+        return self.index.reload()
+
+    def forget_document(self, doc_id: int) -> int:
+        """Hide every entry of a document from search and from later builds."""
+        with self._write_lock:
+            return self.datastore.delete_document(doc_id)
+
+    def truncate_datastore(self, n: int) -> None:
+        """Roll back entries with ids >= n (their documents were never committed)."""
+        with self._write_lock:
+            self.datastore.truncate(n)
+            self.index.refresh()
+
+    def _index_ram_bytes(self, idx: dict[str, Any]) -> int:
+        """Vectors the served index holds in RAM: float32 for exact parts, codes for PQ."""
+        info = self.index._state.info
+        fresh = int(idx["fresh_entries"]) * (4 * self.encoder.dim + 8)
+        built = int(idx["built_entries"])
+        if info is None or info.params.kind == "flat":
+            return fresh + built * (4 * self.encoder.dim + 8)
+        return fresh + built * (info.params.m + 8)
+
+    def stats(self) -> dict[str, Any]:
+        ds = self.datastore.stats()
+        idx = self.index.stats()
+        index_bytes = (
+            sum(f.stat().st_size for f in (self.data_dir / "index").rglob("*") if f.is_file())
+            if (self.data_dir / "index").exists()
+            else 0
+        )
+        return {
+            "entries": ds["live_entries"],
+            "datastore_entries": ds["entries"],
+            "deleted_documents": ds["deleted_documents"],
+            "bytes_on_disk": ds["bytes_on_disk"] + index_bytes,
+            "bytes_in_ram": self._index_ram_bytes(idx),
+            "index_version": self.index.version,
+            "index": idx,
+            "model": self.encoder.name,
+            "policy": self.policy.name,
+            "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
+        }
