@@ -1,0 +1,290 @@
+"""TRIME on the news stream: vanilla vs TrimeLM vs TrimeLM_long vs TrimeLM_ext (+ w/o BM25).
+
+Same model (LlamaConfig, hidden 128, 4 layers, SmolLM2 tokenizer, tied embeddings), same
+training slice, same steps and seed for every run; only the objective and the batching
+differ. Each model is then evaluated (Table 7 of the paper) with no memory, local memory,
+local + long-term memory, and local + long-term + external memory (a datastore of the
+model's own keys over a slice of the training split, FullMem or MoNIM), with tau,
+the number of long-term segments, the external temperature and lambda tuned on dev.
+
+    heavy python benchmarks/trime_experiment.py train --run vanilla   # one run per call
+    heavy python benchmarks/trime_experiment.py eval                  # prints the table
+
+Runs: vanilla, trime, trime-long, trime-ext, trime-ext-random (the "w/o BM25" ablation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits
+from memlm.train.transformer_train import (
+    ModelConfig,
+    SegmentOutputs,
+    TrainConfig,
+    build_model,
+    encode_segments,
+    make_segments,
+    memory_logprobs,
+    parameter_counts,
+    perplexity,
+    segment_texts,
+    set_threads,
+    train,
+)
+from memlm.trime_memory import interpolate, memory_gold_logprob
+
+RUNS: dict[str, dict[str, Any]] = {
+    "vanilla": {"objective": "vanilla"},
+    "trime": {"objective": "trime"},
+    "trime-long": {"objective": "trime-long"},
+    "trime-ext": {"objective": "trime-ext"},
+    "trime-ext-random": {"objective": "trime-ext", "bm25": False},
+}
+# The memory each model is meant for (paper Table 1).
+MEANT_FOR = {
+    "vanilla": "none",
+    "trime": "local",
+    "trime-long": "local+long",
+    "trime-ext": "local+long+ext(FullMem)",
+    "trime-ext-random": "local+long+ext(FullMem)",
+}
+
+TAUS = [0.25, 0.5, 1.0, 2.0, 4.0]
+LONG_SEGMENTS = [1, 2, 4, 8, 16]
+EXT_TEMPS = [0.5, 1.0, 2.0, 4.0]
+LAMBDAS = [0.05, 0.1, 0.2, 0.3, 0.5]
+MONIM_DELTA = -1.5  # DESIGN.md's default threshold
+
+
+@dataclass(frozen=True)
+class Setup:
+    train_tokens: int = 300_000
+    dev_tokens: int = 20_000
+    test_tokens: int = 40_000
+    datastore_tokens: int = 100_000  # external memory: this much of the training slice
+    k: int = 64  # retrieved external neighbours per query
+    seg_len: int = 128
+    batch_segments: int = 8
+    steps: int = 200
+    lr: float = 2e-3
+    seed: int = 0
+
+
+def load_data(s: Setup) -> tuple[EncodedSplits, EncodedCorpus, EncodedCorpus, EncodedCorpus]:
+    splits = load_encoded_splits(corpus="news", tokenizer="subword", seed=s.seed)
+    return (
+        splits,
+        splits.train.truncate_tokens(s.train_tokens),
+        splits.dev.truncate_tokens(s.dev_tokens),
+        splits.test.truncate_tokens(s.test_tokens),
+    )
+
+
+def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from memlm.encoder import bundled_tokenizer_path
+
+    splits, train_c, _, _ = load_data(s)
+    cfg = TrainConfig(
+        seg_len=s.seg_len,
+        batch_segments=s.batch_segments,
+        steps=s.steps,
+        lr=s.lr,
+        seed=s.seed,
+        save_every=50,
+        **RUNS[name],
+    )
+    model = build_model(
+        ModelConfig(), splits.tokenizer.vocab_size, splits.tokenizer.boundary_id, s.seed
+    )
+    segs = make_segments(train_c, cfg.seg_len)
+    t0 = time.process_time()
+    texts = segment_texts(segs, splits.tokenizer.decode) if name == "trime-ext" else None
+    result = train(
+        model,
+        segs,
+        cfg,
+        out / name,
+        tokenizer=AutoTokenizer.from_pretrained(bundled_tokenizer_path()),
+        texts=texts,
+    )
+    info = {
+        "run": name,
+        "parameters": parameter_counts(model),
+        "segments": len(segs),
+        "train_tokens_seen": result.tokens,
+        "wall_seconds": round(result.seconds, 1),
+        "cpu_seconds": round(time.process_time() - t0, 1),
+        "resumed_from": result.resumed_from,
+        "final_loss": result.history[-1]["loss"],
+    }
+    (out / name / "train_info.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+# --- evaluation -----------------------------------------------------------------------------
+
+
+def retrieve(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k: int, chunk: int = 2048
+):
+    """Exact top-k by scaled dot product: (N, k) raw scores q.k/sqrt(d) and their values."""
+    d = queries.shape[1]
+    sc, vs = [], []
+    for a in range(0, len(queries), chunk):
+        s = queries[a : a + chunk] @ keys.T / math.sqrt(d)
+        top = torch.topk(s, min(k, keys.shape[0]), dim=1)
+        sc.append(top.values)
+        vs.append(values[top.indices])
+    return torch.cat(sc), torch.cat(vs)
+
+
+def ext_logprobs(
+    o: SegmentOutputs,
+    long_s: int | None,
+    tau: float,
+    seg_len: int,
+    raw: torch.Tensor,
+    vals: torch.Tensor,
+    ext_temp: float,
+    lam: float,
+) -> torch.Tensor:
+    """App. A: Eq. 6 over local + long + retrieved entries, then Eq. 8-9 with the retrieved."""
+    p6 = memory_logprobs(o, long_s, tau, seg_len, extra_scores=raw / tau, extra_values=vals)
+    p8, has = memory_gold_logprob(raw / ext_temp, vals, o.targets)
+    return interpolate(p6, p8, lam, has)
+
+
+def evaluate_model(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    _, train_c, dev_c, test_c = data
+    model = AutoModelForCausalLM.from_pretrained(out / name / "model")
+    dev = encode_segments(model, make_segments(dev_c, s.seg_len))
+    test = encode_segments(model, make_segments(test_c, s.seg_len))
+    store = encode_segments(
+        model, make_segments(train_c.truncate_tokens(s.datastore_tokens), s.seg_len)
+    )
+    store_lp = store.gold_logit - store.lse
+    monim = store_lp < MONIM_DELTA  # MoNIM(loss) with the model itself as the scorer
+    stores = {
+        "FullMem": (store.keys, store.targets),
+        "MoNIM": (store.keys[monim], store.targets[monim]),
+    }
+    res: dict[str, Any] = {"run": name, "memrate_monim": float(monim.float().mean())}
+    ppl: dict[str, float] = {"none": perplexity(test.gold_logit - test.lse)}
+    tuned: dict[str, Any] = {}
+    # local memory: tau on dev
+    tau_l = min(TAUS, key=lambda t: perplexity(memory_logprobs(dev, 0, t, s.seg_len)))
+    ppl["local"] = perplexity(memory_logprobs(test, 0, tau_l, s.seg_len))
+    tuned["local"] = {"tau": tau_l}
+    # local + long: (segments, tau) on dev
+    best = min(
+        itertools.product(LONG_SEGMENTS, TAUS),
+        key=lambda st: perplexity(memory_logprobs(dev, st[0], st[1], s.seg_len)),
+    )
+    ppl["local+long"] = perplexity(memory_logprobs(test, best[0], best[1], s.seg_len))
+    tuned["local+long"] = {"segments": best[0], "tau": best[1]}
+    for store_name, (keys, vals) in stores.items():
+        d_raw, d_val = retrieve(dev.keys, keys, vals, s.k)
+        t_raw, t_val = retrieve(test.keys, keys, vals, s.k)
+        # the external memory alone on top of the bare model (kNN-LM style, Eq. 8-9)
+        grid = list(itertools.product(EXT_TEMPS, LAMBDAS))
+        et, lam = min(grid, key=lambda g: perplexity(_ext_only(dev, d_raw, d_val, g[0], g[1])))
+        ppl[f"ext({store_name})"] = perplexity(_ext_only(test, t_raw, t_val, et, lam))
+        tuned[f"ext({store_name})"] = {"ext_temp": et, "lambda": lam}
+        segs_, tau_ = best
+        et2, lam2 = min(
+            grid,
+            key=lambda g: perplexity(
+                ext_logprobs(dev, segs_, tau_, s.seg_len, d_raw, d_val, g[0], g[1])
+            ),
+        )
+        ppl[f"local+long+ext({store_name})"] = perplexity(
+            ext_logprobs(test, segs_, tau_, s.seg_len, t_raw, t_val, et2, lam2)
+        )
+        tuned[f"local+long+ext({store_name})"] = {
+            "segments": segs_,
+            "tau": tau_,
+            "ext_temp": et2,
+            "lambda": lam2,
+        }
+    res["test_ppl"] = ppl
+    res["tuned_on_dev"] = tuned
+    res["test_tokens"] = len(test.targets)
+    res["dev_tokens"] = len(dev.targets)
+    res["datastore_entries"] = {k: int(v[0].shape[0]) for k, v in stores.items()}
+    return res
+
+
+def _ext_only(o: SegmentOutputs, raw: torch.Tensor, vals: torch.Tensor, et: float, lam: float):
+    lm = o.gold_logit - o.lse
+    p8, has = memory_gold_logprob(raw / et, vals, o.targets)
+    return interpolate(lm, p8, lam, has)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("phase", choices=["train", "eval"])
+    ap.add_argument("--run", choices=list(RUNS), action="append")
+    ap.add_argument("--out", type=Path, default=Path("runs/trime"))
+    ap.add_argument("--steps", type=int, default=Setup.steps)
+    ap.add_argument("--train-tokens", type=int, default=Setup.train_tokens)
+    ap.add_argument("--dev-tokens", type=int, default=Setup.dev_tokens)
+    ap.add_argument("--test-tokens", type=int, default=Setup.test_tokens)
+    ap.add_argument("--datastore-tokens", type=int, default=Setup.datastore_tokens)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    set_threads(args.threads)
+    s = Setup(
+        steps=args.steps,
+        train_tokens=args.train_tokens,
+        dev_tokens=args.dev_tokens,
+        test_tokens=args.test_tokens,
+        datastore_tokens=args.datastore_tokens,
+    )
+    runs = args.run or list(RUNS)
+    if args.phase == "train":
+        for r in runs:
+            print(json.dumps(train_run(r, args.out, s)), flush=True)
+        return
+    data = load_data(s)
+    rows = []
+    for r in runs:
+        t0 = time.time()
+        res = evaluate_model(r, args.out, s, data)
+        res["eval_seconds"] = round(time.time() - t0, 1)
+        info_path = args.out / r / "train_info.json"
+        res["train"] = json.loads(info_path.read_text()) if info_path.exists() else None
+        (args.out / r / "eval.json").write_text(json.dumps(res, indent=2))
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    cols = [
+        "none",
+        "local",
+        "local+long",
+        "ext(FullMem)",
+        "ext(MoNIM)",
+        "local+long+ext(FullMem)",
+        "local+long+ext(MoNIM)",
+    ]
+    print("\n| model | " + " | ".join(cols) + " | meant for |")
+    print("|---|" + "---|" * (len(cols) + 1))
+    for res in rows:
+        cells = [f"{res['test_ppl'][c]:.1f}" for c in cols]
+        print(f"| {res['run']} | " + " | ".join(cells) + f" | {MEANT_FOR[res['run']]} |")
+
+
+if __name__ == "__main__":
+    main()
