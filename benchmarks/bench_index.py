@@ -8,6 +8,7 @@ search over the same keys.
 
     heavy python benchmarks/bench_index.py                       # default, ~2-3 min
     heavy python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
+    heavy python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
 
 Threads: ``--threads``, else MEMLM_THREADS (``heavy`` sets 1), else faiss's default.
 """
@@ -104,6 +105,32 @@ def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, obje
     return row
 
 
+def crossover(args: argparse.Namespace) -> None:
+    """ms per query of a flat search, direct scan vs BLAS, by queries per call."""
+    rng = np.random.default_rng(0)
+    n = int(args.sizes.split(",")[-1])
+    index = faiss.IndexFlatL2(args.dim)
+    index.add(rng.standard_normal((n, args.dim), dtype=np.float32))
+    q = rng.standard_normal((32, args.dim), dtype=np.float32)
+    index.search(q[:1], args.k)
+    print(f"# flat N={n} dim={args.dim} k={args.k}: best of 3, ms per query")
+    print("| queries per call | direct | BLAS |")
+    print("|---|---|---|")
+    for nq in (1, 2, 4, 8, 16, 32):
+        row = []
+        for threshold in (2**31 - 1, 1):  # never BLAS, always BLAS
+            faiss.cvar.distance_compute_blas_threshold = threshold
+            best = min(_timed(index, q[:nq], args.k) for _ in range(3))
+            row.append(best * 1000 / nq)
+        print(f"| {nq} | {row[0]:.1f} | {row[1]:.1f} |")
+
+
+def _timed(index: faiss.Index, q: npt.NDArray[np.float32], k: int) -> float:
+    t0 = time.perf_counter()
+    index.search(q, k)
+    return time.perf_counter() - t0
+
+
 def fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if v < 10 else f"{v:.1f}"
@@ -121,10 +148,18 @@ def main() -> None:
     ap.add_argument("--query-noise", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--workdir", type=Path, default=None, help="keep files here")
+    ap.add_argument(
+        "--crossover",
+        action="store_true",
+        help="only time flat search direct vs BLAS by batch size (N = last of --sizes)",
+    )
     args = ap.parse_args()
     threads = args.threads or int(os.environ.get("MEMLM_THREADS", "0")) or None
     if threads:
         faiss.omp_set_num_threads(threads)
+    if args.crossover:
+        crossover(args)
+        return
     print(
         f"# dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
         f"clusters={args.clusters} threads={threads or faiss.omp_get_max_threads()} "

@@ -54,11 +54,25 @@ BUILD_CRASH_POINTS = (
 # nothing to train; IVF-PQ would need >= 39 * nlist k-means points and minutes of
 # training to save memory that a 50k store (58 MB of float16 keys) does not need.
 FLAT_THRESHOLD = 50_000
-# faiss picks BLAS for a flat search when a call has at least this many queries. In
-# faiss-cpu 1.15 the default is 128,000 (never, for us); measured here (100k x 576,
-# k=1024, 1 thread): 1 query 13 ms direct vs 53-66 ms BLAS, 64 queries 20 vs 2.1 ms each.
-# The knob is process-wide; setting it once keeps single queries on the direct path.
-BLAS_THRESHOLD = 8
+# Flat searches with at least this many queries in one call go through BLAS: below it
+# the direct scan is faster, above it BLAS wins by up to ~7x (table in docs/memory.md,
+# from ``benchmarks/bench_index.py --crossover``). The knob is process-wide.
+BLAS_MIN_QUERIES = 8
+_BLAS_DEFAULT: int | None = None
+
+
+def _set_blas_threshold(dim: int) -> None:
+    """Make flat searches of >= BLAS_MIN_QUERIES queries use BLAS.
+
+    faiss 1.15 compares ``nq * d`` with ``distance_compute_blas_threshold`` (default
+    128,000: only batches of >= 222 queries at d=576); older versions compared ``nq``
+    (default 20). The default tells which one this faiss does.
+    """
+    global _BLAS_DEFAULT
+    if _BLAS_DEFAULT is None:
+        _BLAS_DEFAULT = int(faiss.cvar.distance_compute_blas_threshold)
+    per_query = dim if _BLAS_DEFAULT > 1000 else 1
+    faiss.cvar.distance_compute_blas_threshold = BLAS_MIN_QUERIES * per_query
 
 
 class IndexFormatError(RuntimeError):
@@ -234,7 +248,7 @@ def _fill(
     if params.kind == "ivfpq":
         rng = np.random.default_rng(params.seed)
         sample = np.sort(rng.choice(live, size=min(len(live), params.train_size), replace=False))
-        work.train(ds.keys(sample).astype(np.float32))  # (ntrain, d)
+        work.train(_f16_to_f32(ds.keys(sample)))  # (ntrain, d)
         del sample
     train_seconds = time.perf_counter() - t0
     if crash_at == "after_train":
@@ -249,7 +263,7 @@ def _fill(
             lo, hi = np.searchsorted(live, [first, first + len(keys)])
             ids = live[lo:hi]
             if len(ids):
-                work.add_with_ids(keys[ids - first].astype(np.float32), ids)
+                work.add_with_ids(_f16_to_f32(keys[ids - first]), ids)
             bar.update(len(keys))
     add_seconds = time.perf_counter() - t0
     if gpu:
@@ -375,6 +389,13 @@ def load_version(root: Path, version: int) -> tuple[faiss.Index, BuildInfo]:
 # --- serving ---------------------------------------------------------------------------
 
 
+def _f16_to_f32(x: npt.NDArray[np.float16]) -> npt.NDArray[np.float32]:
+    """float16 -> float32 with faiss's SIMD decoder (measured 1.9 vs numpy's 3.1 ns/value)."""
+    sq = faiss.ScalarQuantizer(x.shape[1], faiss.ScalarQuantizer.QT_fp16)
+    out: npt.NDArray[np.float32] = sq.decode(np.ascontiguousarray(x).view(np.uint8))
+    return out
+
+
 class _RWLock:
     """Many readers or one writer; searches read, ``refresh`` writes the fresh index."""
 
@@ -434,7 +455,7 @@ class MemoryIndex:
     def __init__(self, datastore: Datastore, root: Path) -> None:
         self.datastore = datastore
         self.root = Path(root)
-        faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD
+        _set_blas_threshold(datastore.dim)
         self._writer = threading.Lock()  # serialises refresh/reload
         self._fresh_lock = _RWLock()  # searches vs in-place adds to the fresh index
         self._state = self._load(current_version(self.root))
@@ -449,7 +470,7 @@ class MemoryIndex:
     def _add_fresh(self, fresh: faiss.Index, start: int, stop: int) -> None:
         for first, keys, _ in self.datastore.iter_chunks(start, stop):
             ids = np.arange(first, first + len(keys), dtype=np.int64)
-            fresh.add_with_ids(keys.astype(np.float32), ids)
+            fresh.add_with_ids(_f16_to_f32(keys), ids)
 
     def _load(self, version: int | None) -> _State:
         built, info = (None, None) if version is None else load_version(self.root, version)
@@ -635,15 +656,16 @@ class MemoryIndex:
     ) -> npt.NDArray[np.float32]:
         """Squared L2 from the float16 keys; inf where ids are negative."""
         out = np.full(ids.shape, np.inf, dtype=np.float32)
-        rows = max(1, (1 << 24) // max(1, ids.shape[1] * q.shape[1]))  # ~64 MB of float32
+        # Blocks of ~2M elements: converting float16 in cache-sized pieces is ~3x faster
+        # than one big array, whose fresh pages cost a page fault each.
+        rows = max(1, (1 << 21) // max(1, ids.shape[1] * q.shape[1]))
         for r0 in range(0, q.shape[0], rows):
             blk = ids[r0 : r0 + rows]
             ok = blk >= 0
             if not ok.any():
                 continue
-            keys = self.datastore.keys(blk[ok]).astype(np.float32)  # (n_ok, d)
-            qrep = np.repeat(q[r0 : r0 + rows], ok.sum(1), axis=0)  # (n_ok, d)
-            diff = keys - qrep
-            sub = out[r0 : r0 + rows]
-            sub[ok] = np.einsum("ij,ij->i", diff, diff)
+            keys = _f16_to_f32(self.datastore.keys(blk[ok]))  # (n_ok, d)
+            owner = np.repeat(np.arange(len(blk)), ok.sum(1))  # query row of each key
+            keys -= q[r0 + owner]
+            out[r0 : r0 + rows][ok] = np.einsum("ij,ij->i", keys, keys)
         return out
