@@ -21,7 +21,9 @@ when j < i (its target x_{j+1} is then already known).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -180,4 +182,61 @@ def document_gold_logprobs(
             scores = torch.cat([scores, extra_scores[a:b].to(scores.dtype)], dim=1)
             values = torch.cat([values, extra_values[a:b].to(values.dtype)], dim=1)
         out[a:b] = trime_gold_logprob(lm_gold_logit[a:b], lm_lse[a:b], scores, values, targets[a:b])
+    return out
+
+
+def window_begins(positions: np.ndarray, windows: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """Begin of the input window that scored each target position.
+
+    ``windows`` is ``WindowConfig.windows(n)``: (begin, end, first_scored) with targets
+    first_scored..end-1 scored by that window.
+    """
+    out = np.full(len(positions), -1, np.int64)
+    for begin, end, first in windows:
+        out[(positions >= first) & (positions < end)] = begin
+    if (out < 0).any():
+        raise ValueError("a position is scored by no window")
+    return out
+
+
+def cached_doc_logprobs(
+    keys: np.ndarray,
+    targets: np.ndarray,
+    target_logprob: np.ndarray,
+    lse: np.ndarray,
+    positions: np.ndarray,
+    windows: Sequence[tuple[int, int, int]],
+    long_tokens: int,
+    taus: Sequence[float],
+) -> np.ndarray:
+    """Eq. 6 log p(target) of one document's cached encoder outputs, one column per tau.
+
+    The arrays are the encoder's per-target outputs (``TokenOutputs``: position t holds
+    the key of the context ids[:t] and the target ids[t]). Local memory of target t: the
+    targets p of the same input window with begin < p < t (their key was computed in that
+    window or, for p scored by the previous window, in that one); ``long_tokens`` > 0 also
+    admits the targets of the ``long_tokens`` positions before the window.
+    Returns (n, len(taus)) float64.
+    """
+    order = np.argsort(positions, kind="stable")
+    assert np.array_equal(order, np.arange(len(positions))), "positions must be ascending"
+    begin = window_begins(positions, windows)
+    lo = torch.from_numpy(begin + 1 - long_tokens)
+    pos = torch.from_numpy(positions.astype(np.int64))
+    k = torch.from_numpy(np.asarray(keys, np.float32)).double()
+    gold = torch.from_numpy(np.asarray(targets, np.int64))
+    lse_t = torch.from_numpy(np.asarray(lse, np.float64))
+    gold_logit = torch.from_numpy(np.asarray(target_logprob, np.float64)) + lse_t
+    out = np.empty((len(positions), len(taus)), np.float64)
+    chunk = 512
+    for a in range(0, len(positions), chunk):
+        b = min(len(positions), a + chunk)
+        first = int(np.searchsorted(positions, int(lo[a:b].min()), side="left"))
+        raw = scaled_dot_scores(k[a:b], k[first:b])
+        vis = window_mask(pos[a:b], pos[first:b], lo[a:b])
+        for c, tau in enumerate(taus):
+            scores = masked_scores(raw / tau, vis)
+            out[a:b, c] = trime_gold_logprob(
+                gold_logit[a:b], lse_t[a:b], scores, gold[first:b], gold[a:b]
+            ).numpy()
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -167,3 +168,39 @@ def test_document_gold_logprobs_brute_force(long_span: int) -> None:
     # the first position of the document has no memory at all: exactly the LM
     got0 = document_gold_logprobs(keys, targets, gold_logit, lse, window_start, long_span, 0.7)
     assert got0[0].item() == pytest.approx((gold_logit[0] - lse[0]).item(), abs=1e-12)
+
+
+def test_cached_doc_logprobs_follow_the_scoring_windows() -> None:
+    from memlm.trime_memory import cached_doc_logprobs, window_begins
+
+    g = torch.Generator().manual_seed(4)
+    n_tok, d, v = 12, 3, 4  # a document of 12 tokens: targets at positions 1..11
+    positions = np.arange(1, n_tok)
+    windows = [(0, 6, 1), (3, 9, 6), (6, 12, 9)]  # context 6, stride 3
+    assert window_begins(positions, windows).tolist() == [0] * 5 + [3] * 3 + [6] * 3
+    keys = torch.randn(len(positions), d, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (len(positions),), generator=g)
+    logits = torch.randn(len(positions), v, generator=g, dtype=torch.float64)
+    lse = torch.logsumexp(logits, 1)
+    lp = logits.gather(1, targets.view(-1, 1)).squeeze(1) - lse
+    got = cached_doc_logprobs(
+        keys.numpy(), targets.numpy(), lp.numpy(), lse.numpy(), positions, windows, 0, [1.0, 2.0]
+    )
+    assert got.shape == (11, 2)
+    for c, tau in enumerate([1.0, 2.0]):
+        for i, t in enumerate(positions.tolist()):
+            begin = window_begins(positions[i : i + 1], windows)[0]
+            num = math.exp(lp[i].item())
+            den = 1.0
+            for j, p in enumerate(positions.tolist()):
+                if begin < p < t:
+                    e = math.exp(float(keys[i] @ keys[j]) / math.sqrt(d) / tau - lse[i].item())
+                    den += e
+                    num += e if targets[j] == targets[i] else 0.0
+            assert got[i, c] == pytest.approx(math.log(num / den), abs=1e-6)  # float32 keys
+    # long-term memory reaches back before the window; the first target has none at all
+    longer = cached_doc_logprobs(
+        keys.numpy(), targets.numpy(), lp.numpy(), lse.numpy(), positions, windows, 6, [1.0]
+    )
+    assert longer[0, 0] == pytest.approx(lp[0].item(), abs=1e-12)
+    assert not np.allclose(longer[5:, 0], got[5:, 0])
