@@ -97,6 +97,7 @@ class TokenOutputs:
     top_logprob: np.ndarray  # (n,) float32
     entropy: np.ndarray  # (n,) float32 entropy of p_LM in nats
     key_ce: np.ndarray  # (n,) float32 -log softmax(E key)[target], NaN unless compute_key_ce
+    prev_tokens: np.ndarray  # (n,) int64 the last context token (ids[position - 1])
 
     def __len__(self) -> int:
         return int(self.targets.shape[0])
@@ -387,6 +388,7 @@ class Encoder:
                             top_logprob=st["toplp"][sl].numpy(),
                             entropy=st["ent"][sl].numpy(),
                             key_ce=st["kce"][sl].numpy(),
+                            prev_tokens=np.asarray(docs[di][first - 1 : first - 1 + n], np.int64),
                         ),
                     )
                 )
@@ -415,6 +417,7 @@ class Encoder:
             top_logprob=f32,
             entropy=f32,
             key_ce=f32,
+            prev_tokens=np.zeros(0, np.int64),
         )
 
     # -- exact LM probabilities after the fact --

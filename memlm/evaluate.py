@@ -30,6 +30,7 @@ from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
 from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
+from memlm.lexical import LexicalStats
 from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,11 @@ class TokenCache:
             p = self._path(doc_ids)
             if p.exists():
                 with np.load(p) as z:
-                    out[i] = TokenOutputs(**{f.name: z[f.name] for f in fields(TokenOutputs)})
-                    out[i].keys = out[i].keys.astype(np.float32)
+                    arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
+                arrays["keys"] = arrays["keys"].astype(np.float32)
+                pos = arrays["positions"]
+                arrays["prev_tokens"] = np.asarray(doc_ids, np.int64)[pos - 1]
+                out[i] = TokenOutputs(**arrays)
             else:
                 missing.append(i)
         if missing:
@@ -135,6 +139,7 @@ class TokenCache:
                 p = self._path(ids[i])
                 tmp = p.with_suffix(".tmp.npz")
                 arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
+                del arrays["prev_tokens"]  # derived from the token ids on load
                 arrays["keys"] = o.keys.astype(np.float16)  # the datastore keeps float16 keys
                 np.savez(tmp, **arrays)
                 tmp.replace(p)
@@ -156,14 +161,29 @@ class EvalTokens:
     day: list[np.ndarray] = field(default_factory=list)  # (n,) int32 day number
     doc: list[np.ndarray] = field(default_factory=list)  # (n,) int32 index of the doc in the plan
     gold: list[np.ndarray] = field(default_factory=list)  # (n,) int64 gold token
+    # calibrator features known before the search
+    top_logprob: list[np.ndarray] = field(default_factory=list)  # (n,) max log p_LM
+    entropy: list[np.ndarray] = field(default_factory=list)  # (n,) entropy of p_LM
+    lexical: list[np.ndarray] = field(default_factory=list)  # (n, 2) LexicalStats.features
 
-    def add(self, o: TokenOutputs, dist: np.ndarray, vals: np.ndarray, day: int, doc: int) -> None:
+    def add(
+        self,
+        o: TokenOutputs,
+        dist: np.ndarray,
+        vals: np.ndarray,
+        day: int,
+        doc: int,
+        lexical: np.ndarray,
+    ) -> None:
         self.target_lm_logprob.append(o.target_logprob.astype(np.float64))
         self.distances.append(dist)
         self.values.append(vals)
         self.day.append(np.full(len(o), day, np.int32))
         self.doc.append(np.full(len(o), doc, np.int32))
         self.gold.append(o.targets)
+        self.top_logprob.append(o.top_logprob)
+        self.entropy.append(o.entropy)
+        self.lexical.append(lexical)
 
     def arrays(self, k_max: int) -> dict[str, np.ndarray]:
         if not self.target_lm_logprob:
@@ -174,6 +194,9 @@ class EvalTokens:
                 "day": np.zeros(0, np.int32),
                 "doc": np.zeros(0, np.int32),
                 "gold": np.zeros(0, np.int64),
+                "top_logprob": np.zeros(0, np.float32),
+                "entropy": np.zeros(0, np.float32),
+                "lexical": np.zeros((0, 2), np.float32),
             }
         return {f.name: np.concatenate(getattr(self, f.name)) for f in fields(self)}
 
@@ -247,6 +270,7 @@ def run_policy(
     ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
     index = MemoryIndex(ds, workdir / "index")
     dev, test = EvalTokens(), EvalTokens()
+    lexical = LexicalStats(cache.encoder.vocab_size)
     days: list[DayStats] = []
     seen = stored = 0
     doc_no = 0
@@ -258,6 +282,7 @@ def run_policy(
         for o in outs:
             doc_no += 1
             n = len(o)
+            lexical.update(np.concatenate([o.prev_tokens[:1], o.targets]))
             day_seen += n
             if policy is None or n == 0:
                 continue
@@ -290,7 +315,7 @@ def run_policy(
             target = dev if split == "dev" else test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
                 dist, vals = _search_values(index, ds, o.keys, k_max)
-                target.add(o, dist, vals, dnum, i)
+                target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens))
         seen += day_seen
         stored += day_stored
         stats = DayStats(
