@@ -19,6 +19,7 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import faiss
@@ -47,29 +48,72 @@ def make_keys(
     return centers, chunks
 
 
+def npz_keys(
+    folder: Path, n: int, n_queries: int
+) -> tuple[list[npt.NDArray[np.float16]], npt.NDArray[np.float16]]:
+    """Real LM keys from encoder-cache ``*.npz`` files (array "keys"): the first files fill
+    the store (up to n keys), whole later files give the queries (held-out documents)."""
+    files = sorted(folder.glob("*.npz"))
+    store: list[npt.NDArray[np.float16]] = []
+    queries: list[npt.NDArray[np.float16]] = []
+    have = 0
+    for f in files:
+        with np.load(f) as z:
+            k = z["keys"].astype(np.float16)
+        if have < n:
+            store.append(k[: n - have])
+            have += len(store[-1])
+        else:
+            queries.append(k)
+            if sum(len(x) for x in queries) >= n_queries:
+                break
+    if have < n or not queries:
+        raise SystemExit(f"{folder}: {have} keys in {len(files)} files, need {n} + queries")
+    return store, np.concatenate(queries)[:n_queries]
+
+
 def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
     hits = sum(len(np.intersect1d(f[f >= 0], t)) for f, t in zip(found, truth, strict=True))
     return hits / truth.size
 
 
 def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, object]:
-    dim, k = args.dim, args.k
-    _, chunks = make_keys(n, dim, args.clusters, seed=n)
+    k = args.k
+    if args.keys_npz is not None:
+        chunks, real_q = npz_keys(args.keys_npz, n, args.queries)
+        dim = real_q.shape[1]
+    else:
+        dim = args.dim
+        _, chunks = make_keys(n, dim, args.clusters, seed=n)
     ds = Datastore.open(workdir / f"ds-{n}", dim=dim)
     for i, x in enumerate(chunks):
         m = len(x)
         ds.append(x, np.zeros(m, np.int32), i, np.arange(m), 0)
     params = IndexParams.for_size(n, dim)
+    if args.nlist or args.m:  # force IVF-PQ, e.g. to try it on a few real keys
+        base = IndexParams.for_size(max(n, 50_000), dim)
+        nlist = args.nlist or base.nlist
+        params = replace(
+            base,
+            nlist=nlist,
+            m=args.m or base.m,
+            nprobe=args.nprobe or base.nprobe,
+            train_size=max(nlist, 256, min(n, base.train_size)),
+        )
+    elif args.nprobe and params.kind == "ivfpq":
+        params = replace(params, nprobe=args.nprobe)
     t0 = time.perf_counter()
     info = build_index(ds, workdir / f"ix-{n}", params, progress=False)
     build_s = time.perf_counter() - t0
     mem = MemoryIndex(ds, workdir / f"ix-{n}")
 
     rng = np.random.default_rng(1)
-    qi = np.sort(rng.choice(n, size=args.queries, replace=False))
-    q = ds.keys(qi).astype(np.float32) + rng.standard_normal((args.queries, dim)).astype(
-        np.float32
-    ) * np.float32(args.query_noise)
+    if args.keys_npz is not None:
+        q = real_q.astype(np.float32)
+    else:
+        qi = np.sort(rng.choice(n, size=args.queries, replace=False))
+        noise = rng.standard_normal((args.queries, dim)).astype(np.float32)
+        q = ds.keys(qi).astype(np.float32) + noise * np.float32(args.query_noise)
 
     # Exact ground truth: a flat index over the same float16 keys, one batched call.
     exact = faiss.IndexFlatL2(dim)
@@ -147,6 +191,15 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=1000)
     ap.add_argument("--query-noise", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--nlist", type=int, default=0, help="force IVF-PQ with this many lists")
+    ap.add_argument("--m", type=int, default=0, help="force IVF-PQ with this many code bytes")
+    ap.add_argument("--nprobe", type=int, default=0, help="override nprobe")
+    ap.add_argument(
+        "--keys-npz",
+        type=Path,
+        default=None,
+        help="use real keys from an encoder cache folder of *.npz instead of synthetic ones",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="keep files here")
     ap.add_argument(
         "--crossover",
@@ -161,7 +214,7 @@ def main() -> None:
         crossover(args)
         return
     print(
-        f"# dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
+        f"# keys={args.keys_npz or 'synthetic clustered'} dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
         f"clusters={args.clusters} threads={threads or faiss.omp_get_max_threads()} "
         f"faiss={faiss.__version__} load-avg(1m) before={os.getloadavg()[0]:.2f}"
     )

@@ -113,8 +113,8 @@ class IndexParams:
     def for_size(cls, n: int, dim: int) -> IndexParams:
         """Parameters for a store of ``n`` live entries of dimension ``dim``."""
         if n < FLAT_THRESHOLD:
-            return cls(kind="flat", nlist=1, m=1, nprobe=1, train_size=0, rerank_factor=1)
-        # nlist: 4*sqrt(n) rounded (in log scale) to a power of two: 4096 for 0.73M..2.9M.
+            return cls.exact()
+        # nlist: 4*sqrt(n) rounded (in log scale) to a power of two: 4096 for 525k..2.1M.
         nlist = 2 ** round(math.log2(4 * math.sqrt(n)))
         # Code bytes grow with n: small stores are rebuilt often and re-ranked exactly, and
         # PQ encoding time is linear in m (~230 us/key at m=64, d=576 per DATA.md).
@@ -123,6 +123,11 @@ class IndexParams:
         # nlist/128 lists per query (32 at 4096), at least 16 so small stores scan >= ~1%.
         nprobe = min(64, max(16, nlist // 128))
         return cls(kind="ivfpq", nlist=nlist, m=m, nprobe=nprobe, train_size=1_000_000)
+
+    @classmethod
+    def exact(cls) -> IndexParams:
+        """An exact flat index whatever the size (tests, small evaluations)."""
+        return cls(kind="flat", nlist=1, m=1, nprobe=1, train_size=0, rerank_factor=1)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -294,12 +299,17 @@ def build_index(
     use_gpu: bool | Literal["auto"] = "auto",
     progress: bool = True,
     chunk: int = 65536,
+    threads: int | None = None,
 ) -> BuildInfo:
     """Build a new version from the live entries [0, len(datastore)) and make it CURRENT.
 
     ``params`` defaults to ``IndexParams.for_size(live entries, dim)``. Uses the GPU when
-    ``use_gpu`` is True or "auto" and faiss sees one; otherwise the CPU.
+    ``use_gpu`` is True or "auto" and faiss sees one; otherwise the CPU, with ``threads``
+    (else MEMLM_THREADS, else faiss's default) OpenMP threads, set process-wide.
     """
+    threads = threads or int(os.environ.get("MEMLM_THREADS", "0")) or None
+    if threads:
+        faiss.omp_set_num_threads(threads)
     if crash_at is not None and crash_at not in BUILD_CRASH_POINTS:
         raise ValueError(f"crash_at must be one of {BUILD_CRASH_POINTS}, got {crash_at!r}")
     root = Path(root)

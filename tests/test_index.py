@@ -63,7 +63,7 @@ def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
     return hits / truth.size
 
 
-FLAT = IndexParams(kind="flat", rerank_factor=1, train_size=0)
+FLAT = IndexParams.exact()
 
 
 @pytest.fixture
@@ -278,8 +278,8 @@ def test_searches_during_refresh(ds: Datastore, tmp_path: Path) -> None:
 
 
 def test_for_size() -> None:
-    small = IndexParams.for_size(49_999, 576)
-    assert small.kind == "flat"
+    assert IndexParams.for_size(49_999, 576) == IndexParams.exact()
+    assert IndexParams.exact().kind == "flat"
     big = IndexParams.for_size(1_000_000, 576)
     assert (big.kind, big.nlist, big.m, big.nprobe, big.train_size) == (
         "ivfpq",
