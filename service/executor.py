@@ -8,6 +8,7 @@ wait together are handed to their batch function in one call (micro-batching).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -51,6 +52,7 @@ class ModelExecutor:
         self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self.max_batch = max_batch
         self.retry_after = retry_after
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="memlm-model", daemon=True)
         self._thread.start()
         self.batches: list[int] = []  # sizes of the last batches run (for tests and logs)
@@ -85,14 +87,20 @@ class ModelExecutor:
         return await job.future
 
     def close(self) -> None:
-        self._q.put(None)
+        """Stop after the running job; jobs still queued are dropped (shutdown)."""
+        self._closing = True
+        with contextlib.suppress(queue.Full):
+            self._q.put_nowait(None)
         self._thread.join(timeout=30)
 
     # --- the thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            first = self._q.get()
+        while not self._closing:
+            try:
+                first = self._q.get(timeout=0.5)
+            except queue.Empty:
+                continue
             if first is None:
                 return
             jobs = [first]
