@@ -59,7 +59,7 @@ MEANT_FOR = {
     "trime-ext-random": "local+long+ext(FullMem)",
 }
 
-TAUS = [0.25, 0.5, 1.0, 2.0, 4.0]
+TAUS = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 LONG_SEGMENTS = [1, 2, 4, 8, 16]
 EXT_TEMPS = [0.5, 1.0, 2.0, 4.0]
 LAMBDAS = [0.05, 0.1, 0.2, 0.3, 0.5]
@@ -234,9 +234,128 @@ def _ext_only(o: SegmentOutputs, raw: torch.Tensor, vals: torch.Tensor, et: floa
     return interpolate(lm, p8, lam, has)
 
 
+# --- inference side on the frozen SmolLM2: the news slice ---------------------------------
+
+
+NEWS_LONG_SEGMENTS = [1, 2, 4]
+NEWS_TAUS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+
+
+def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any]:
+    """Bare, continuous cache, + long-term, + external (FullMem / MoNIM) on SmolLM2-135M.
+
+    Uses the evaluation harness's pieces (stream plan, cached encoder outputs, policy
+    runs with the datastore and FAISS index); local / long-term memory come from
+    :func:`memlm.trime_memory.cached_doc_logprobs`; tau, the long-term span and the
+    kNN (k, T, lambda) are tuned on the dev documents and applied to the test documents.
+    """
+    import datetime as dt
+
+    import numpy as np
+
+    from memlm.corpus import load_news
+    from memlm.encoder import Encoder, WindowConfig
+    from memlm.evaluate import (
+        TokenCache,
+        TuneGrid,
+        plan_stream,
+        ppl,
+        run_policy,
+        token_logprobs,
+        tune,
+    )
+    from memlm.knnlm import KnnParams
+    from memlm.policy import make_policy
+    from memlm.trime_memory import cached_doc_logprobs
+
+    t0 = time.time()
+    encoder = Encoder.load("smollm2-135m")
+    window = WindowConfig()
+    plans = plan_stream(
+        load_news(), days=days, start=dt.date.fromisoformat(start), max_docs_per_day=max_docs
+    )
+    cache = TokenCache(encoder, window)
+    runs = {}
+    for name in ("bare", "fullmem", "monim"):
+        policy = None if name == "bare" else make_policy(name)
+        runs[name] = run_policy(
+            policy, plans, cache, out / "news-work" / name, ingest_params=KnnParams(), k_max=256
+        )
+    # TRIME local / long-term log-probs of the held-out tokens, in the harness's row order
+    spans = {"local": 0, **{f"long{sg}": sg * window.context for sg in NEWS_LONG_SEGMENTS}}
+    cols: dict[str, dict[str, list[np.ndarray]]] = {"dev": {}, "test": {}}
+    for plan in plans:
+        for split, docs in (("dev", plan.dev), ("test", plan.test)):
+            for o, d in zip(cache.get_many([x.text for x in docs]), docs, strict=True):
+                n_tok = len(encoder.tokenize(d.text))
+                wins = window.windows(n_tok)
+                for key, span in spans.items():
+                    lp = cached_doc_logprobs(
+                        o.keys,
+                        o.targets,
+                        o.target_logprob,
+                        o.lse,
+                        o.positions,
+                        wins,
+                        span,
+                        NEWS_TAUS,
+                    )
+                    cols[split].setdefault(key, []).append(lp)
+    mem = {sp: {k: np.concatenate(v) for k, v in c.items()} for sp, c in cols.items()}
+    bare_dev, bare_test = runs["bare"].dev, runs["bare"].test
+    assert len(mem["dev"]["local"]) == len(bare_dev["gold"])
+    table: dict[str, Any] = {"bare": {"test_ppl": ppl(bare_test["target_lm_logprob"])}}
+
+    def best_col(key: str) -> int:
+        return int(np.argmin([ppl(mem["dev"][key][:, c]) for c in range(len(NEWS_TAUS))]))
+
+    c = best_col("local")
+    table["continuous cache (local)"] = {
+        "test_ppl": ppl(mem["test"]["local"][:, c]),
+        "tau": NEWS_TAUS[c],
+    }
+    long_key = min(
+        (k for k in spans if k != "local"), key=lambda k: ppl(mem["dev"][k][:, best_col(k)])
+    )
+    lc = best_col(long_key)
+    table["+ long-term"] = {
+        "test_ppl": ppl(mem["test"][long_key][:, lc]),
+        "tau": NEWS_TAUS[lc],
+        "long_segments": spans[long_key] // window.context,
+    }
+    grid = TuneGrid()
+    for name in ("fullmem", "monim"):
+        run = runs[name]
+        params, _ = tune(run.dev, grid)
+        table[f"kNN-LM {name} (no local/long)"] = {
+            "test_ppl": ppl(token_logprobs(run.test, params)),
+            "memrate": run.memrate,
+            **{f"knn_{k}": v for k, v in params.__dict__.items()},
+        }
+        dev = {**run.dev, "target_lm_logprob": mem["dev"][long_key][:, lc]}
+        test = {**run.test, "target_lm_logprob": mem["test"][long_key][:, lc]}
+        params, _ = tune(dev, grid)
+        table[f"+ long-term + external {name}"] = {
+            "test_ppl": ppl(token_logprobs(test, params)),
+            "memrate": run.memrate,
+            **{f"knn_{k}": v for k, v in params.__dict__.items()},
+        }
+    return {
+        "days": days,
+        "start": start,
+        "max_docs_per_day": max_docs,
+        "window": {"context": window.context, "stride": window.stride},
+        "dev_tokens": int(len(bare_dev["gold"])),
+        "test_tokens": int(len(bare_test["gold"])),
+        "ingested_tokens": runs["bare"].tokens_seen,
+        "seconds": round(time.time() - t0, 1),
+        "rows": table,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("phase", choices=["train", "eval"])
+    ap.add_argument("phase", choices=["train", "eval", "news"])
     ap.add_argument("--run", choices=list(RUNS), action="append")
     ap.add_argument("--out", type=Path, default=Path("runs/trime"))
     ap.add_argument("--steps", type=int, default=Setup.steps)
@@ -245,6 +364,9 @@ def main() -> None:
     ap.add_argument("--test-tokens", type=int, default=Setup.test_tokens)
     ap.add_argument("--datastore-tokens", type=int, default=Setup.datastore_tokens)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--days", type=int, default=5, help="news phase: days of the stream")
+    ap.add_argument("--start", default="2017-02-13", help="news phase: first day")
+    ap.add_argument("--max-docs-per-day", type=int, default=20, help="news phase")
     args = ap.parse_args()
     set_threads(args.threads)
     s = Setup(
@@ -255,6 +377,16 @@ def main() -> None:
         datastore_tokens=args.datastore_tokens,
     )
     runs = args.run or list(RUNS)
+    if args.phase == "news":
+        res = news_slice(args.out, args.days, args.start, args.max_docs_per_day)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "news_slice.json").write_text(json.dumps(res, indent=2))
+        print(json.dumps(res, indent=2))
+        print("\n| memory | test ppl | tuned on dev |\n|---|---|---|")
+        for row, r in res["rows"].items():
+            extra = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k != "test_ppl")
+            print(f"| {row} | {r['test_ppl']:.2f} | {extra} |")
+        return
     if args.phase == "train":
         for r in runs:
             print(json.dumps(train_run(r, args.out, s)), flush=True)
