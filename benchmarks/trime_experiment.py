@@ -238,7 +238,19 @@ def _ext_only(o: SegmentOutputs, raw: torch.Tensor, vals: torch.Tensor, et: floa
 
 
 NEWS_LONG_SEGMENTS = [1, 2, 4]
-NEWS_TAUS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+NEWS_TAUS = [
+    0.02,
+    0.03,
+    0.05,
+    0.07,
+    0.1,
+    0.14,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+]  # SmolLM2 sims ~2-3.5, lse ~12-31
 
 
 def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any]:
