@@ -1,0 +1,141 @@
+import datetime as dt
+import json
+
+import numpy as np
+import pytest
+
+from memlm.corpus import Document
+from memlm.encoder import Encoder, WindowConfig
+from memlm.evaluate import (
+    EvalConfig,
+    TokenCache,
+    TuneGrid,
+    evaluate,
+    plan_stream,
+    run_policy,
+    token_logprobs,
+    tune,
+)
+from memlm.knnlm import KnnParams
+from memlm.policy import FullMem, RandMem
+
+WORDS = ["the", "council", "voted", "on", "the", "new", "budget", "for", "schools", "and", "roads", "in", "the", "city", "today"]
+
+
+def _stream(days=3, per_day=6, seed=0):
+    rng = np.random.default_rng(seed)
+    docs = []
+    for d in range(days):
+        for i in range(per_day):
+            text = " ".join(rng.choice(WORDS, 30))
+            docs.append(Document(f"d{d}-{i}", text, dt.date(2021, 1, 1) + dt.timedelta(d), "src"))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return Encoder.load("tiny-llama", threads=1)
+
+
+def test_plan_is_seeded_disjoint_and_sliced():
+    docs = _stream(days=3, per_day=10)
+    a = plan_stream(docs, dev_share=0.1, test_share=0.2, seed=3)
+    b = plan_stream(docs, dev_share=0.1, test_share=0.2, seed=3)
+    assert [[d.id for d in p.dev + p.test + p.train] for p in a] == [
+        [d.id for d in p.dev + p.test + p.train] for p in b
+    ]
+    for p in a:
+        assert (len(p.dev), len(p.test), len(p.train)) == (1, 2, 7)
+        assert not {d.id for d in p.dev} & {d.id for d in p.test} | {d.id for d in p.train} & {
+            d.id for d in p.test
+        }
+    sliced = plan_stream(docs, dev_share=0.1, test_share=0.2, seed=3, days=2, max_docs_per_day=3)
+    assert len(sliced) == 2 and all(len(p.train) == 3 for p in sliced)
+    assert [d.id for d in sliced[0].test] == [d.id for d in a[0].test]  # same held-out docs
+    late = plan_stream(docs, start=dt.date(2021, 1, 2))
+    assert late[0].day == dt.date(2021, 1, 2)
+
+
+def test_tune_prefers_a_useful_memory():
+    n = 50
+    gold = np.arange(n) % 7
+    split = {
+        "target_lm_logprob": np.full(n, np.log(0.01)),
+        "distances": np.tile([1.0, 5.0], (n, 1)).astype(np.float32),
+        "values": np.stack([gold, (gold + 1) % 7], 1).astype(np.int32),
+        "gold": gold,
+    }
+    grid = TuneGrid(ks=(1, 2), temperatures=(1.0,), lambdas=(0.1, 0.9))
+    params, p = tune(split, grid)
+    assert (params.k, params.lmbda) == (1, 0.9)
+    assert p == pytest.approx(1 / (0.1 * 0.01 + 0.9))
+    assert np.exp(-token_logprobs(split, params).mean()) == pytest.approx(p)
+    # a useless memory (never the gold token): the smallest lambda wins
+    split["values"] = ((gold + 3) % 7)[:, None].repeat(2, 1).astype(np.int32)
+    params, _ = tune(split, grid)
+    assert params.lmbda == 0.1
+
+
+def test_run_policy_counts(tmp_path, enc):
+    docs = _stream()
+    plans = plan_stream(docs, dev_share=0.2, test_share=0.2)
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path / "cache")
+    full = run_policy(FullMem(), plans, cache, tmp_path / "w1", ingest_params=KnnParams(), k_max=8)
+    seen = sum(len(o) for p in plans for o in cache.get_many([d.text for d in p.train]))
+    assert full.tokens_seen == seen and full.tokens_stored == seen and full.entries == seen
+    assert full.memrate == 1.0
+    assert sum(d.tokens_stored for d in full.days) == seen
+    assert full.test["distances"].shape[1] == 8
+    assert (full.test["values"] >= 0).all()
+    # the first day's held-out tokens see only that day's memory: distances from a store
+    rand = run_policy(
+        RandMem(0.0), plans, cache, tmp_path / "w2", ingest_params=KnnParams(), k_max=8
+    )
+    assert rand.entries == 0 and (rand.test["values"] == -1).all()
+    bare = run_policy(None, plans, cache, tmp_path / "w3", ingest_params=KnnParams(), k_max=8)
+    assert bare.tokens_seen == seen and bare.entries == 0
+
+
+def test_cache_reuses_encodings(tmp_path, enc):
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)
+    texts = ["a b c d e f g", "the council voted"]
+    first = cache.get_many(texts)
+    assert cache.encoded_tokens == sum(len(o) for o in first)
+    again = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)
+    second = again.get_many(texts)
+    assert again.encoded_tokens == 0
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.prev_tokens, b.prev_tokens)
+        np.testing.assert_array_equal(a.target_logprob, b.target_logprob)
+
+
+def test_evaluate_writes_report(tmp_path, enc, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = EvalConfig(
+        corpus="synthetic",
+        model="tiny-llama",
+        window=WindowConfig(context=32, stride=16),
+        policies=("fullmem", "monim", "randmem"),
+        dev_share=0.2,
+        test_share=0.2,
+        k_max=16,
+        grid=TuneGrid(ks=(4, 16), temperatures=(1.0, 10.0), lambdas=(0.1, 0.5)),
+    )
+    report = evaluate(cfg, _stream(), tmp_path / "out", encoder=enc, echo=lambda s: None)
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(on_disk["results"]) == {"bare", "fullmem", "monim", "randmem"}
+    r = report["results"]
+    assert r["fullmem"]["memrate"] == 1.0
+    assert r["bare"]["entries"] == 0 and r["bare"]["lambda"] == 0.0
+    # RandMem ran at MoNIM's measured rate
+    assert report["settings"]["rand_rate"] == pytest.approx(r["randmem"]["memrate"])
+    assert abs(r["randmem"]["memrate"] - r["monim"]["memrate"]) < 0.1
+    for name in ("fullmem", "monim", "randmem"):
+        assert r[name]["entries"] == round(r[name]["memrate"] * r[name]["tokens_seen"])
+    rows = report["per_day"]["fullmem"]
+    assert len(rows) == 3 and rows[-1]["memrate_cumulative"] == 1.0
+    assert rows[-1]["test_ppl_so_far"] == pytest.approx(r["fullmem"]["test_ppl"])
+    for f in ("report.md", "memrate.png", "memory_growth.png", "perplexity.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    assert "| fullmem |" in (tmp_path / "out" / "report.md").read_text()

@@ -1,0 +1,75 @@
+import math
+
+import numpy as np
+import pytest
+
+from memlm.knnlm import (
+    KnnParams,
+    augmented_scores,
+    has_neighbours,
+    interpolate,
+    knn_logprob,
+    neighbour_log_weights,
+)
+
+
+def test_knn_distribution_matches_hand_computation():
+    d = np.array([[1.0, 2.0, 4.0]])
+    ids = np.array([[0, 1, 2]])
+    vals = np.array([[7, 9, 7]])
+    t = 2.0
+    w = np.exp(-np.array([1.0, 2.0, 4.0]) / t)
+    expect7 = (w[0] + w[2]) / w.sum()
+    expect9 = w[1] / w.sum()
+    got = np.exp(knn_logprob(d, ids, vals, np.array([[7, 9, 3]]), t))[0]
+    assert got == pytest.approx([expect7, expect9, 0.0])
+
+
+def test_padding_is_ignored_and_empty_rows_fall_back_to_lm():
+    d = np.array([[1.0, np.inf], [np.inf, np.inf]])
+    ids = np.array([[5, -1], [-1, -1]])
+    vals = np.array([[3, -1], [-1, -1]])
+    lw = neighbour_log_weights(d, ids, 1.0)
+    assert lw[0, 0] == 0.0 and lw[0, 1] == -np.inf
+    assert np.all(lw[1] == -np.inf)
+    assert has_neighbours(ids).tolist() == [True, False]
+    knn = knn_logprob(d, ids, vals, np.array([[3], [3]]), 1.0)[:, 0]
+    lm = np.log(np.array([0.2, 0.2]))
+    mixed = interpolate(lm, knn, 0.25, has_neighbours(ids))
+    assert mixed[0] == pytest.approx(math.log(0.75 * 0.2 + 0.25 * 1.0))
+    assert mixed[1] == pytest.approx(math.log(0.2))  # no neighbour: the plain LM
+
+
+def test_interpolate_per_row_lambda():
+    lm = np.log(np.array([0.5, 0.1]))
+    knn = np.array([-np.inf, 0.0])
+    got = np.exp(interpolate(lm, knn, np.array([0.5, 0.2]), np.array([True, True])))
+    assert got == pytest.approx([0.25, 0.8 * 0.1 + 0.2])
+
+
+def test_augmented_scores_target_and_max():
+    # LM: p(gold=1)=0.1, top-1 is token 2 with 0.6; neighbours all carry token 1.
+    params = KnnParams(k=2, temperature=1.0, lmbda=0.5)
+    out = augmented_scores(
+        target_lm_logprob=np.log([0.1]),
+        top_lm_logprob=np.log([0.6]),
+        top_id=np.array([2]),
+        targets=np.array([1]),
+        distances=np.array([[0.0, 0.0]]),
+        ids=np.array([[0, 1]]),
+        values=np.array([[1, 1]]),
+        value_lm_logprob=np.log([[0.1, 0.1]]),
+        params=params,
+    )
+    assert out.target_logprob[0] == pytest.approx(math.log(0.5 * 0.1 + 0.5))
+    # token 1: 0.55 beats token 2: 0.5 * 0.6 = 0.3
+    assert out.max_logprob[0] == pytest.approx(math.log(0.55))
+
+
+def test_params_validation():
+    with pytest.raises(ValueError):
+        KnnParams(k=0)
+    with pytest.raises(ValueError):
+        KnnParams(temperature=0)
+    with pytest.raises(ValueError):
+        KnnParams(lmbda=1.5)

@@ -1,0 +1,16 @@
+import numpy as np
+
+from memlm.lexical import LexicalStats
+
+
+def test_counts_and_distinct_successors(tmp_path):
+    s = LexicalStats(10)
+    s.update(np.array([1, 2, 1, 2, 1, 3]))  # 1->2, 2->1, 1->2, 2->1, 1->3
+    s.update(np.array([1, 2]))
+    assert s.count[1] == 4 and s.count[2] == 2 and s.count[3] == 0
+    assert s.successors[1] == 2 and s.successors[2] == 1
+    f = s.features(np.array([1, 3]))
+    np.testing.assert_allclose(f, [[np.log(5), np.log(3)], [0.0, 0.0]], rtol=1e-6)
+    s.save(tmp_path / "lex.npz")
+    t = LexicalStats.load(tmp_path / "lex.npz", 10)
+    assert np.array_equal(t.count, s.count) and np.array_equal(t.successors, s.successors)
