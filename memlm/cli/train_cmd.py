@@ -20,6 +20,7 @@ RUNNERS: dict[str, str] = {
     "kv": "memlm.train.lstm_train:run",
     "kvp": "memlm.train.lstm_train:run",
     "ngram": "memlm.train.lstm_train:run",
+    "transformer": "memlm.train.transformer_train:run",  # --objective vanilla|trime|trime-long|trime-ext
 }
 
 
@@ -56,6 +57,8 @@ def train(
     threads: int | None = typer.Option(None, help="torch threads (default $MEMLM_THREADS)"),
     cache_dir: Path | None = typer.Option(None, help="default $MEMLM_CACHE_DIR"),
     set_: list[str] = typer.Option([], "--set", help="extra key=value options"),  # noqa: B006
+    init_from: str | None = typer.Option(None, help="transformer: HF id or folder to continue"),
+    data: Path | None = typer.Option(None, help="transformer: FILE.txt|FILE.jsonl (--init-from)"),
 ) -> None:
     """Train a language model and print its dev/test perplexity as JSON."""
     from memlm.train import TrainRequest
@@ -84,7 +87,11 @@ def train(
         max_eval_tokens=max_eval_tokens,
         threads=threads,
         cache_dir=cache_dir,
-        extra=_parse_sets(set_),
+        extra={
+            **_parse_sets(set_),
+            **({"init_from": init_from} if init_from else {}),
+            **({"data": str(data)} if data else {}),
+        },
     )
     module, _, func = RUNNERS[arch].partition(":")
     summary = getattr(importlib.import_module(module), func)(req)
