@@ -9,6 +9,8 @@ search over the same keys.
     heavy python benchmarks/bench_index.py                       # default, ~2-3 min
     heavy python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
     heavy python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
+    heavy python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
+        --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
 Threads: ``--threads``, else MEMLM_THREADS (``heavy`` sets 1), else faiss's default.
 """
@@ -53,7 +55,7 @@ def npz_keys(
 ) -> tuple[list[npt.NDArray[np.float16]], npt.NDArray[np.float16]]:
     """Real LM keys from encoder-cache ``*.npz`` files (array "keys"): the first files fill
     the store (up to n keys), whole later files give the queries (held-out documents)."""
-    files = sorted(folder.glob("*.npz"))
+    files = sorted(f for f in folder.glob("*.npz") if not f.name.endswith(".tmp.npz"))
     store: list[npt.NDArray[np.float16]] = []
     queries: list[npt.NDArray[np.float16]] = []
     have = 0
@@ -70,6 +72,34 @@ def npz_keys(
     if have < n or not queries:
         raise SystemExit(f"{folder}: {have} keys in {len(files)} files, need {n} + queries")
     return store, np.concatenate(queries)[:n_queries]
+
+
+def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
+    """Write SmolLM2-135M keys of the bundled news, in date order, one float16 ``.npz``
+    per article, until ``n_tokens`` keys exist (files already there are reused).
+
+    Windows of 512 tokens without overlap (stride 512) so each token costs one forward.
+    """
+    from memlm.corpus import load_news
+    from memlm.encoder import Encoder, WindowConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    enc = None
+    window = WindowConfig(context=512, stride=512)
+    have = 0
+    t0 = time.perf_counter()
+    for i, doc in enumerate(load_news()):
+        f = folder / f"{i:05d}.npz"
+        if not f.exists():
+            enc = enc or Encoder.load(threads=threads)
+            keys = enc.encode_ids(enc.tokenize(doc.text), window).keys.astype(np.float16)
+            np.savez(folder / f"{i:05d}.tmp.npz", keys=keys)
+            os.replace(folder / f"{i:05d}.tmp.npz", f)
+        with np.load(f) as z:
+            have += len(z["keys"])
+        if have >= n_tokens:
+            break
+    print(f"# {have} news keys in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
@@ -191,6 +221,12 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=1000)
     ap.add_argument("--query-noise", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--encode-news",
+        type=int,
+        default=0,
+        help="first write this many real SmolLM2 keys of the news into --keys-npz",
+    )
     ap.add_argument("--nlist", type=int, default=0, help="force IVF-PQ with this many lists")
     ap.add_argument("--m", type=int, default=0, help="force IVF-PQ with this many code bytes")
     ap.add_argument("--nprobe", type=int, default=0, help="override nprobe")
@@ -213,6 +249,10 @@ def main() -> None:
     if args.crossover:
         crossover(args)
         return
+    if args.encode_news:
+        if args.keys_npz is None:
+            raise SystemExit("--encode-news needs --keys-npz DIR to write to")
+        encode_news(args.keys_npz, args.encode_news, threads)
     print(
         f"# keys={args.keys_npz or 'synthetic clustered'} dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
         f"clusters={args.clusters} threads={threads or faiss.omp_get_max_threads()} "

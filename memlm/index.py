@@ -586,9 +586,8 @@ class MemoryIndex:
             dist, ids = self._search_once(st, q, fetch, rerank)
             # Drop stale built ids (-2) and deleted entries only now, after the merge: the
             # top ``fetch`` of the union minus dead ones are the nearest live ones.
-            keep = ids >= 0
+            keep = (ids >= 0) & (ids < len(self.datastore))  # < len: truncated, no refresh
             if self.datastore.num_deleted_documents:
-                keep &= ids < len(self.datastore)  # refresh() not yet called after truncate
                 keep[keep] = self.datastore.live_mask(ids[keep])
             if not keep.all():
                 dist = np.where(keep, dist, np.inf).astype(np.float32)
@@ -653,13 +652,13 @@ class MemoryIndex:
             d, i = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
         return d, i
 
-    @staticmethod
     def _drop_stale(
-        st: _State, d: npt.NDArray[np.float32], i: npt.NDArray[np.int64]
+        self, st: _State, d: npt.NDArray[np.float32], i: npt.NDArray[np.int64]
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         """Mark with id -2 (distance kept) the ids that a truncate after the snapshot
-        replaced; they hold their place in the merge and are dropped after it."""
-        return d, np.where(i >= st.valid_upto, -2, i)
+        replaced (or cut, before refresh() ran); they hold their place in the merge and
+        are dropped after it."""
+        return d, np.where(i >= min(st.valid_upto, len(self.datastore)), -2, i)
 
     def _exact_distances(
         self, q: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]

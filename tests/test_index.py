@@ -364,3 +364,15 @@ def test_reader_process_view(ds: Datastore, tmp_path: Path) -> None:
     assert mem.refresh() == 50
     q = queries(4, 30)
     np.testing.assert_array_equal(mem.search(q, 20)[1], brute_force(ds, q, 20)[1])
+
+
+def test_search_between_truncate_and_refresh(ds: Datastore, tmp_path: Path) -> None:
+    fill(ds, 300, 31)
+    build_index(ds, tmp_path / "ix", FLAT, progress=False)
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    fill(ds, 40, 32)
+    mem.refresh()
+    ds.truncate(280)  # cuts into both the built and the fresh part; no refresh yet
+    q = queries(5, 33)
+    d, i = mem.search(q, 10)
+    np.testing.assert_array_equal(i, brute_force(ds, q, 10)[1])
