@@ -42,14 +42,24 @@ class EngineLike(Protocol):
 def open_engine(settings: Settings, *, encoder: Any = None) -> EngineLike:
     """Open the real engine on the settings' data directory (loads the model)."""
     from memlm.engine import Engine  # heavy: torch, transformers, faiss
+    from memlm.knnlm import KnnParams
 
-    kwargs: dict[str, Any] = {"model": settings.model, "policy": settings.policy}
-    kwargs["delta"] = settings.delta
-    if settings.threads is not None:
-        kwargs["threads"] = settings.threads
-    if encoder is not None:
-        kwargs["encoder"] = encoder
-    engine: EngineLike = Engine.open(settings.datastore_dir, **kwargs)
+    defaults = KnnParams()
+    knn = KnnParams(
+        k=settings.knn_k or defaults.k,
+        temperature=settings.knn_temperature or defaults.temperature,
+        lmbda=defaults.lmbda if settings.knn_lambda is None else settings.knn_lambda,
+    )
+    engine: EngineLike = Engine.open(
+        settings.datastore_dir,
+        model=settings.model,
+        knn=knn,
+        policy=settings.policy,
+        delta=settings.delta,
+        rate=settings.randmem_rate,
+        threads=settings.threads,
+        encoder=encoder,
+    )
     return engine
 
 

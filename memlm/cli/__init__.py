@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "memlm.cli.corpus_cmd",
     "memlm.cli.eval_cmd",
     "memlm.cli.train_cmd",
+    "memlm.cli.service_cmd",
 ]
 
 for _name in _COMMAND_MODULES:

@@ -1,0 +1,236 @@
+"""`memlm up | serve | worker | scheduler | rebuild | db ...`: run and operate the service."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import typer
+
+db_app = typer.Typer(help="Database migrations (Alembic).", no_args_is_help=True)
+
+# The `memlm` CLI of this interpreter, for child processes (no console script needed).
+_SELF = [sys.executable, "-m", "memlm.cli"]
+
+
+def _logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("MEMLM_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _settings() -> Any:
+    from pydantic import ValidationError
+
+    from memlm.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        typer.echo(f"invalid settings:\n{e}", err=True)
+        raise typer.Exit(2) from None
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return settings
+
+
+def _migrated_sessions(settings: Any) -> Any:
+    """Sessions for the settings' database; exits with the fix when it is not migrated."""
+    from sqlalchemy.exc import OperationalError
+
+    from memlm.db.errors import DatabaseNotMigrated
+    from memlm.db.migrate import check_migrated
+    from memlm.db.session import make_engine, make_sessionmaker
+
+    engine = make_engine(settings.db_url)
+    try:
+        check_migrated(engine)
+    except DatabaseNotMigrated as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except OperationalError as e:
+        typer.echo(f"error: cannot open the database {settings.db_url}: {e.orig}", err=True)
+        raise typer.Exit(2) from None
+    return make_sessionmaker(engine)
+
+
+def _serve(settings: Any, host: str, port: int) -> None:
+    import uvicorn
+
+    from service.app import create_app
+
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
+
+
+def _queue_demo(settings: Any, days: int) -> int:
+    """Put the first ``days`` days of the bundled news in the queue (idempotent)."""
+    from memlm.corpus import by_day, load_news
+    from memlm.db.repositories import DocumentRepository, NewDocument
+
+    sessions = _migrated_sessions(settings)
+    docs = []
+    for _, batch in list(by_day(load_news()))[:days]:
+        docs.extend(batch)
+    with sessions.begin() as s:
+        accepted = DocumentRepository(s).add_many(
+            NewDocument(
+                text=d.text,
+                published_at=d.published_at,
+                source=d.source,
+                external_id=d.id,
+                title=d.title,
+                metadata=dict(d.metadata),
+            )
+            for d in docs
+        )
+    new = sum(not a.duplicate for a in accepted)
+    tokens = sum(len(d.text) for d in docs) // 4
+    typer.echo(
+        f"demo: {len(docs)} news articles of {days} days queued ({new} new, about {tokens} "
+        "tokens); the worker logs each one as it is memorised"
+    )
+    return len(docs)
+
+
+def up(
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    port: int = typer.Option(8000, help="port to listen on"),
+    demo: bool = typer.Option(False, "--demo", help="also ingest the first days of the news"),
+    demo_days: int = typer.Option(4, help="days of the bundled news that --demo ingests"),
+) -> None:
+    """Run the API with its ingest worker, and the scheduler, on the embedded defaults."""
+    _logging()
+    from memlm.db.migrate import upgrade
+
+    settings = _settings()
+    upgrade(settings.db_url)
+    typer.echo(f"data in {settings.data_dir.resolve()}, database {settings.db_url} (migrated)")
+    if settings.uses_default_secret():
+        typer.echo(
+            "development tokens: Authorization: Bearer change-me "
+            "(set MEMLM_INGEST_TOKEN / MEMLM_ADMIN_TOKEN for anything else)"
+        )
+    if demo:
+        _queue_demo(settings, demo_days)
+    scheduler = subprocess.Popen([*_SELF, "scheduler"])
+    typer.echo(f"scheduler pid {scheduler.pid}; API on http://{host}:{port} (docs at /docs)")
+    try:
+        _serve(settings.model_copy(update={"embedded_worker": True}), host, port)
+    finally:
+        scheduler.terminate()
+        try:
+            scheduler.wait(10)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    port: int = typer.Option(8000, help="port to listen on"),
+) -> None:
+    """Run the API only (with the ingest worker thread when MEMLM_EMBEDDED_WORKER is true)."""
+    _logging()
+    settings = _settings()
+    _migrated_sessions(settings)
+    _serve(settings, host, port)
+
+
+def worker(
+    crash_at: str = typer.Option(None, hidden=True, help="tests: SIGKILL at this point"),
+) -> None:
+    """Run the ingest worker (and queued index builds) until interrupted."""
+    _logging()
+    from workers.engine import open_engine, policy_factory
+    from workers.ingest import IngestWorker
+
+    settings = _settings()
+    sessions = _migrated_sessions(settings)
+    engine = open_engine(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    IngestWorker(engine, sessions, settings, policy_factory=policy_factory).run(
+        stop, crash_at=crash_at
+    )
+
+
+def scheduler() -> None:
+    """Run the scheduler process: it enqueues the nightly rebuild (MEMLM_REBUILD_CRON)."""
+    _logging()
+    from workers.scheduler import run_scheduler
+
+    settings = _settings()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_scheduler(settings, _migrated_sessions(settings))
+
+
+def rebuild(
+    key: str = typer.Option(None, help="idempotency key: the same key builds once"),
+    wait: bool = typer.Option(False, "--wait", help="wait until a worker has built it"),
+) -> None:
+    """Request an index build; a running worker builds it and the API swaps to it."""
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild
+
+    sessions = _migrated_sessions(_settings())
+    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli")
+    typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
+    while wait and row.status in ("queued", "building"):
+        time.sleep(1)
+        with sessions() as s:
+            row = BuildRepository(s).get(row.id)
+    if wait:
+        typer.echo(f"build request {row.id}: {row.status}, version {row.version}")
+        if row.status != "done":
+            raise typer.Exit(1)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = typer.Argument("head")) -> None:
+    """Migrate the database (MEMLM_DATABASE_URL) up to a revision."""
+    from memlm.db.migrate import upgrade
+
+    settings = _settings()
+    upgrade(settings.db_url, revision)
+    typer.echo(f"{settings.db_url}: at {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str = typer.Argument(...)) -> None:
+    """Migrate the database down to a revision ('base' drops everything)."""
+    from memlm.db.migrate import downgrade
+
+    settings = _settings()
+    downgrade(settings.db_url, revision)
+    typer.echo(f"{settings.db_url}: at {revision}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's revision and the code's head revision."""
+    from memlm.db.migrate import current_revision, head_revision
+    from memlm.db.session import make_engine
+
+    settings = _settings()
+    engine = make_engine(settings.db_url)
+    current, head = current_revision(engine), head_revision()
+    typer.echo(f"current {current or 'none'}; head {head}")
+    engine.dispose()
+    if current != head:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+    app.command("serve")(serve)
+    app.command("worker")(worker)
+    app.command("scheduler")(scheduler)
+    app.command("rebuild")(rebuild)
+    app.add_typer(db_app, name="db")
