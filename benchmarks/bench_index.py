@@ -9,6 +9,7 @@ search over the same keys.
     heavy python benchmarks/bench_index.py                       # default, ~2-3 min
     heavy python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
     heavy python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
+    python benchmarks/bench_index.py --append --workdir /work         # durable appends
     heavy python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
@@ -199,6 +200,24 @@ def crossover(args: argparse.Namespace) -> None:
         print(f"| {nq} | {row[0]:.1f} | {row[1]:.1f} |")
 
 
+def append_latency(args: argparse.Namespace) -> None:
+    """Durable append latency (5 data fsyncs + manifest + directory) by batch size."""
+    rng = np.random.default_rng(0)
+    print(f"# Datastore.append, dim={args.dim}, 20 appends per size, in {args.workdir or 'tmp'}")
+    print("| entries per append | ms per append | entries/s |")
+    print("|---|---|---|")
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        ds = Datastore.open(Path(tmp) / "ds", dim=args.dim)
+        for n in (1, 100, 700, 5000):
+            keys = rng.standard_normal((n, args.dim)).astype(np.float16)
+            t0 = time.perf_counter()
+            for i in range(20):
+                ds.append(keys, np.arange(n), i, np.arange(n), 0)
+            dt = (time.perf_counter() - t0) / 20
+            print(f"| {n} | {dt * 1000:.1f} | {n / dt:.0f} |")
+        ds.close()
+
+
 def _timed(index: faiss.Index, q: npt.NDArray[np.float32], k: int) -> float:
     t0 = time.perf_counter()
     index.search(q, k)
@@ -237,6 +256,7 @@ def main() -> None:
         help="use real keys from an encoder cache folder of *.npz instead of synthetic ones",
     )
     ap.add_argument("--workdir", type=Path, default=None, help="keep files here")
+    ap.add_argument("--append", action="store_true", help="only time Datastore.append")
     ap.add_argument(
         "--crossover",
         action="store_true",
@@ -248,6 +268,9 @@ def main() -> None:
         faiss.omp_set_num_threads(threads)
     if args.crossover:
         crossover(args)
+        return
+    if args.append:
+        append_latency(args)
         return
     if args.encode_news:
         if args.keys_npz is None:

@@ -3,6 +3,7 @@
 Layout of a datastore directory::
 
     manifest.json            the only source of truth (see ``_Manifest``)
+    LOCK                     flock held by the single writer process
     seg-000000.keys          float16 (count, dim), raw C order
     seg-000000.values        int32 (count,)     next-token ids
     seg-000000.doc_ids       int64 (count,)     provenance: document id
@@ -15,11 +16,14 @@ entry id maps to ``(id // max_segment_entries, id % max_segment_entries)``.
 
 Crash safety (single writer): an append writes the data files at the committed offsets,
 fsyncs them, and only then replaces ``manifest.json`` (temp file + fsync + ``os.replace``
-+ fsync of the directory). Whatever the manifest does not cover is uncommitted: ``open``
-cuts file tails beyond the committed counts and removes segment files it does not list.
++ fsync of the directory). Whatever the manifest does not cover is uncommitted: the
+writer's ``open`` cuts file tails beyond the committed counts and removes segment files
+it does not list.
 
 Reads go through ``np.memmap`` views of the committed prefix of each segment and always
-return copies, so a later ``truncate`` cannot pull pages from under a caller.
+return copies. Other processes open the store ``readonly=True`` and ``reload()`` the
+manifest to see new commits; so that their maps stay valid, an open store never shrinks
+a file (``truncate`` leaves the tail for the next writer ``open`` to cut).
 """
 
 from __future__ import annotations
@@ -656,6 +660,8 @@ class Datastore:
         while pos < end:
             nxt = min(end, pos + chunk, (pos // cap + 1) * cap)
             with self._lock:
+                if nxt > self._m.total:
+                    raise DatastoreError(f"truncated to {self._m.total} while iterating")
                 keys = self._read_range("keys", pos, nxt)
                 values = self._read_range("values", pos, nxt)
             yield pos, keys, values
