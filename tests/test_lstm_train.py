@@ -123,7 +123,7 @@ def test_checkpoint_round_trip(tmp_path: Path):
 def test_cli_train_runs_a_small_model(tmp_path: Path):
     from memlm.cli import train_cmd
 
-    words = "the cat sat on the mat and the dog ran to the park in 2017 ".split()
+    words = ["the", "cat", "sat", "on", "mat", "and", "dog", "ran", "to", "park", "in", "2017"]
     rng = np.random.default_rng(0)
     docs = [
         Document(
