@@ -304,18 +304,20 @@ class Encoder:
         out: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("lse", "tlp", "top", "toplp", "ent", "kce")
         }
-        chunk = 512  # bounds the (chunk, V) float32 logits buffer to ~100 MB
+        chunk = 128  # a (128, V) float32 block (25 MB) keeps the elementwise passes cheap
         for s in range(0, hidden.shape[0], chunk):
             h, k, y = hidden[s : s + chunk], keys[s : s + chunk], targets[s : s + chunk]
             logits = self._logits(h)  # (c, V)
             lse = torch.logsumexp(logits, dim=-1)
-            logp = logits - lse[:, None]
-            top_lp, top = logp.max(dim=-1)
+            top_logit, top = logits.max(dim=-1)
+            p = torch.softmax(logits, dim=-1)
+            # entropy = lse - sum_y p(y) logit(y); the bmm avoids a (c, V) temporary
+            dot = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
             out["lse"].append(lse)
-            out["tlp"].append(logp.gather(1, y[:, None]).squeeze(1))
+            out["tlp"].append(logits.gather(1, y[:, None]).squeeze(1) - lse)
             out["top"].append(top)
-            out["toplp"].append(top_lp)
-            out["ent"].append(-(logp.exp() * logp).sum(-1))
+            out["toplp"].append(top_logit - lse)
+            out["ent"].append(lse - dot)
             if self.compute_key_ce and k.shape[1] == self.hidden_dim:
                 kl = self._logits(k)
                 out["kce"].append(torch.logsumexp(kl, -1) - kl.gather(1, y[:, None]).squeeze(1))
