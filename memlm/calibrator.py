@@ -1,0 +1,522 @@
+"""The NN calibrator (lambda per token, MoNIM §3.2 / App. A.3) and the retrieval gate (C.6).
+
+Features of one token, in the paper's three categories (App. A.3):
+
+- distribution of the LM: ``conf`` = max_y p_LM(y), ``entropy`` of p_LM, optionally the
+  ``query`` key itself;
+- lexical statistics of the stream so far (:class:`memlm.lexical.LexicalStats`):
+  ``log_freq`` and ``log_succ`` of the last context token (log(1 + count));
+- density of the memory: ``knn_dist`` = L2 distances to the top-10 neighbours (the
+  square root of the index's squared L2) and ``knn_distinct`` = log of the number of
+  distinct values among the top-i neighbours, i = 1..10.
+
+Each feature goes through its own Linear(width, 128) + LeakyReLU layer (the paper feeds
+"each feature" to a 1-layer LeakyReLU network); the outputs are concatenated and a
+4-layer MLP with dropout 0.2 gives lambda in (0, 1).  Training minimises the negative
+log-likelihood of the gold token under (1 - lambda) p_LM + lambda p_kNN with Adam
+(lr 3e-4).  The retrieval gate is the same kind of model, smaller, over the features
+known before the search (distribution + lexical): when its lambda is below theta the
+search is skipped and the LM answer stands.
+
+:class:`StreamCalibrator` trains as the stream goes: each day adds that day's held-out
+tokens, retrains the previous version (5 epochs at first, fewer as the set grows), keeps
+the best epoch on its own validation split, and saves each version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+
+TOP_N = 10  # neighbours described by the density features (App. A.3: i = 1..10)
+GROUPS: dict[str, tuple[str, ...]] = {
+    "distribution": ("conf", "entropy", "query"),
+    "lexical": ("log_freq", "log_succ"),
+    "density": ("knn_dist", "knn_distinct"),
+}
+PRE_SEARCH_GROUPS = ("distribution", "lexical")  # what the gate may use
+# The query key is optional (App. A.3 lists it): the evaluation harness does not keep
+# the held-out keys, and 576 more inputs learn little from a few thousand tokens.
+DEFAULT_FEATURES = ("conf", "entropy", "log_freq", "log_succ", "knn_dist", "knn_distinct")
+GATE_FEATURES = ("conf", "entropy", "log_freq", "log_succ")
+# log p_kNN(gold) is -inf when no neighbour holds the gold token; exp(-60) is nothing
+# next to any LM probability and keeps gradients finite.
+_KNN_FLOOR = -60.0
+CALIBRATOR_DIR = "calibrator"  # beside each index version: v000042/calibrator/
+
+
+def features_of_groups(groups: Sequence[str], *, query: bool = False) -> tuple[str, ...]:
+    """The feature names of the given groups (the query key only when asked for)."""
+    names = [f for g in groups for f in GROUPS[g] if f != "query" or query]
+    return tuple(names)
+
+
+# --- features ---------------------------------------------------------------------------
+
+
+def density_features(distances: np.ndarray, values: np.ndarray, n: int = TOP_N) -> np.ndarray:
+    """(m, 2n) float32: L2 distance to the top-i neighbour, log #distinct values in top-i.
+
+    distances: (m, k) squared L2, ascending; values: (m, k) int, -1 for padding.  Missing
+    neighbours repeat the last valid distance (0 when the row has none) and add no value.
+    """
+    assert distances.shape == values.shape and distances.ndim == 2
+    m, k = values.shape
+    d = np.zeros((m, n), np.float64)
+    v = np.full((m, n), -1, np.int64)
+    c = min(k, n)
+    d[:, :c] = distances[:, :c]
+    v[:, :c] = values[:, :c]
+    valid = v >= 0
+    d = np.where(valid, np.sqrt(np.maximum(np.where(valid, d, 0.0), 0.0)), np.nan)
+    # carry the last valid distance forward into the padding
+    for i in range(1, n):
+        d[:, i] = np.where(np.isnan(d[:, i]), d[:, i - 1], d[:, i])
+    d = np.nan_to_num(d, nan=0.0)
+    # a value counts at rank i if it is valid and differs from every value before it
+    new = valid.copy()
+    for i in range(1, n):
+        seen_before = (v[:, :i] == v[:, i : i + 1]).any(axis=1)
+        new[:, i] &= ~seen_before
+    counts = np.cumsum(new, axis=1)
+    distinct = np.log(np.maximum(counts, 1))
+    return np.concatenate([d, distinct], axis=1).astype(np.float32)
+
+
+def token_features(
+    top_logprob: np.ndarray,
+    entropy: np.ndarray,
+    lexical: np.ndarray,
+    distances: np.ndarray | None = None,
+    values: np.ndarray | None = None,
+    query: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Every feature of m tokens as {name: (m, width) float32}.
+
+    top_logprob, entropy: (m,) from the encoder; lexical: (m, 2) from
+    ``LexicalStats.features``; distances, values: (m, k) search results (None before the
+    search); query: (m, d) keys, optional.
+    """
+    m = len(top_logprob)
+    assert entropy.shape == (m,) and lexical.shape == (m, 2)
+    out = {
+        "conf": np.exp(top_logprob.astype(np.float64)).astype(np.float32)[:, None],
+        "entropy": entropy.astype(np.float32)[:, None],
+        "log_freq": lexical[:, :1].astype(np.float32),
+        "log_succ": lexical[:, 1:2].astype(np.float32),
+    }
+    if distances is not None and values is not None:
+        dens = density_features(distances, values)
+        out["knn_dist"], out["knn_distinct"] = dens[:, :TOP_N], dens[:, TOP_N:]
+    if query is not None:
+        out["query"] = np.asarray(query, np.float32)
+    return out
+
+
+def split_features(split: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Features of the held-out tokens kept by the evaluation harness (EvalTokens.arrays)."""
+    return token_features(
+        split["top_logprob"],
+        split["entropy"],
+        split["lexical"],
+        split["distances"],
+        split["values"],
+    )
+
+
+def gold_knn_logprob(split: dict[str, np.ndarray], params: KnnParams) -> np.ndarray:
+    """(m,) log p_kNN(gold) with the first params.k neighbours at params.temperature."""
+    k = min(params.k, split["values"].shape[1])
+    vals = split["values"][:, :k]
+    ids = np.where(vals >= 0, 0, -1)
+    return knn_logprob(
+        split["distances"][:, :k], ids, vals, split["gold"][:, None], params.temperature
+    )[:, 0]
+
+
+# --- the model --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CalibratorConfig:
+    """Model and training settings; the defaults are the paper's Table 11."""
+
+    features: tuple[str, ...] = DEFAULT_FEATURES
+    hidden: int = 128  # width of every per-feature layer and of the MLP (Table 11)
+    layers: int = 4  # MLP layers after the concatenation (Table 11)
+    dropout: float = 0.2  # Table 11
+    lr: float = 3e-4  # Adam (Table 11)
+    batch_size: int = 32  # small: a day of held-out news is only ~1-2k tokens
+    max_epochs: int = 5  # App. A.3: from 5 epochs on the first day ...
+    min_epochs: int = 1  # ... down to 1 as the training set grows
+    val_share: float = 0.2  # held-out blocks of the calibrator's own validation split
+    val_block: int = 64  # tokens per validation block (neighbouring tokens are alike)
+    init_lambda: float = 0.25  # the untrained model starts at the usual constant lambda
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.features) - {f for g in GROUPS.values() for f in g}
+        if unknown or not self.features:
+            raise ValueError(f"bad calibrator features: {sorted(unknown) or 'none'}")
+        if self.layers < 1 or self.hidden < 1 or not 0 <= self.dropout < 1:
+            raise ValueError("layers, hidden >= 1 and dropout in [0, 1) are required")
+        if not 0 < self.init_lambda < 1 or not 0 <= self.val_share < 1:
+            raise ValueError("init_lambda in (0, 1) and val_share in [0, 1) are required")
+        if not 1 <= self.min_epochs <= self.max_epochs:
+            raise ValueError("1 <= min_epochs <= max_epochs is required")
+
+
+def gate_config(**overrides: Any) -> CalibratorConfig:
+    """The retrieval gate: pre-search features only, a quarter of the width, 2 layers."""
+    base: dict[str, Any] = {"features": GATE_FEATURES, "hidden": 32, "layers": 2}
+    base.update(overrides)
+    return CalibratorConfig(**base)
+
+
+class CalibratorNet(nn.Module):
+    """Per-feature LeakyReLU layers, concatenated, then an MLP to the logit of lambda."""
+
+    def __init__(self, widths: dict[str, int], cfg: CalibratorConfig):
+        super().__init__()
+        self.names = tuple(widths)
+        self.blocks = nn.ModuleDict(
+            {n: nn.Sequential(nn.Linear(w, cfg.hidden), nn.LeakyReLU()) for n, w in widths.items()}
+        )
+        mlp: list[nn.Module] = []
+        width = cfg.hidden * len(widths)
+        for _ in range(cfg.layers - 1):
+            mlp += [nn.Linear(width, cfg.hidden), nn.ReLU(), nn.Dropout(cfg.dropout)]
+            width = cfg.hidden
+        last = nn.Linear(width, 1)
+        nn.init.zeros_(last.weight)  # start at exactly init_lambda for every token
+        nn.init.constant_(last.bias, math.log(cfg.init_lambda / (1 - cfg.init_lambda)))
+        mlp.append(last)
+        self.mlp = nn.Sequential(*mlp)
+
+    def forward(self, feats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{name: (B, width)} standardised features -> (B,) logit of lambda."""
+        h = torch.cat([self.blocks[n](feats[n]) for n in self.names], dim=1)  # (B, F*hidden)
+        out: torch.Tensor = self.mlp(h).squeeze(1)
+        return out
+
+
+def mixture_nll(logit: torch.Tensor, lm_lp: torch.Tensor, knn_lp: torch.Tensor) -> torch.Tensor:
+    """Mean -log((1 - lambda) p_LM(gold) + lambda p_kNN(gold)), lambda = sigmoid(logit)."""
+    # log(1 - sigmoid(z)) = logsigmoid(-z): exact and stable at both ends
+    mix = torch.logaddexp(
+        nn.functional.logsigmoid(-logit) + lm_lp, nn.functional.logsigmoid(logit) + knn_lp
+    )
+    return -mix.mean()
+
+
+@dataclass
+class TrainingSet:
+    """Tokens a calibrator learns from: features, log p_LM(gold), log p_kNN(gold)."""
+
+    feats: dict[str, np.ndarray]
+    lm_lp: np.ndarray  # (m,)
+    knn_lp: np.ndarray  # (m,) clipped at _KNN_FLOOR
+
+    def __len__(self) -> int:
+        return len(self.lm_lp)
+
+    @classmethod
+    def build(
+        cls, feats: dict[str, np.ndarray], lm_lp: np.ndarray, knn_lp: np.ndarray
+    ) -> TrainingSet:
+        """Keep the tokens that have a finite kNN log-probability input (any neighbour)."""
+        return cls(
+            {k: v.astype(np.float32) for k, v in feats.items()},
+            lm_lp.astype(np.float32),
+            np.maximum(np.nan_to_num(knn_lp, nan=_KNN_FLOOR, neginf=_KNN_FLOOR), _KNN_FLOOR).astype(
+                np.float32
+            ),
+        )
+
+    def take(self, idx: np.ndarray) -> TrainingSet:
+        return TrainingSet(
+            {k: v[idx] for k, v in self.feats.items()}, self.lm_lp[idx], self.knn_lp[idx]
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[TrainingSet]) -> TrainingSet:
+        names = parts[0].feats.keys()
+        return cls(
+            {n: np.concatenate([p.feats[n] for p in parts]) for n in names},
+            np.concatenate([p.lm_lp for p in parts]),
+            np.concatenate([p.knn_lp for p in parts]),
+        )
+
+
+class Calibrator:
+    """A trained (or untrained) model with its feature standardisation."""
+
+    def __init__(self, cfg: CalibratorConfig, widths: dict[str, int]):
+        self.cfg = cfg
+        self.widths = {n: widths[n] for n in cfg.features}
+        torch.manual_seed(cfg.seed)
+        self.net = CalibratorNet(self.widths, cfg)
+        self.mean = {n: np.zeros(w, np.float32) for n, w in self.widths.items()}
+        self.std = {n: np.ones(w, np.float32) for n, w in self.widths.items()}
+        self.meta: dict[str, Any] = {}
+
+    def _tensors(self, feats: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.from_numpy(((feats[n] - self.mean[n]) / self.std[n]).astype(np.float32))
+            for n in self.widths
+        }
+
+    def fit_standardisation(self, feats: dict[str, np.ndarray]) -> None:
+        for n in self.widths:
+            self.mean[n] = feats[n].mean(axis=0).astype(np.float32)
+            self.std[n] = np.maximum(feats[n].std(axis=0), 1e-3).astype(np.float32)
+
+    @torch.inference_mode()
+    def predict(self, feats: dict[str, np.ndarray]) -> np.ndarray:
+        """(m,) lambda in (0, 1) for the tokens whose features are given."""
+        self.net.eval()
+        x = self._tensors(feats)
+        return torch.sigmoid(self.net(x)).double().numpy()
+
+    @torch.inference_mode()
+    def nll(self, data: TrainingSet) -> float:
+        """Mean augmented NLL of ``data`` under this model's lambdas."""
+        if len(data) == 0:
+            return float("nan")
+        self.net.eval()
+        logit = self.net(self._tensors(data.feats))
+        return float(
+            mixture_nll(logit, torch.from_numpy(data.lm_lp), torch.from_numpy(data.knn_lp))
+        )
+
+    def train_epochs(
+        self, train: TrainingSet, val: TrainingSet | None, epochs: int, seed: int
+    ) -> dict[str, Any]:
+        """Adam over ``train`` for ``epochs``; keep the epoch (0 = as before) best on ``val``."""
+        opt = torch.optim.Adam(self.net.parameters(), lr=self.cfg.lr)
+        gen = torch.Generator().manual_seed(seed)
+        x = self._tensors(train.feats)
+        lm, knn = torch.from_numpy(train.lm_lp), torch.from_numpy(train.knn_lp)
+        score = self.nll(val) if val is not None and len(val) else float("nan")
+        best = (score, 0, {k: v.clone() for k, v in self.net.state_dict().items()})
+        history = [score]
+        for epoch in range(1, epochs + 1):
+            self.net.train()
+            order = torch.randperm(len(train), generator=gen)
+            for s in range(0, len(train), self.cfg.batch_size):
+                b = order[s : s + self.cfg.batch_size]
+                loss = mixture_nll(self.net({n: t[b] for n, t in x.items()}), lm[b], knn[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if val is not None and len(val):
+                score = self.nll(val)
+                history.append(score)
+                if not score >= best[0]:  # also replaces a NaN start
+                    best = (score, epoch, {k: v.clone() for k, v in self.net.state_dict().items()})
+            else:
+                best = (
+                    float("nan"),
+                    epoch,
+                    {k: v.clone() for k, v in self.net.state_dict().items()},
+                )
+        self.net.load_state_dict(best[2])
+        return {"epochs": epochs, "best_epoch": best[1], "val_nll": best[0], "val_history": history}
+
+    # -- persistence --
+
+    def save(self, path: Path) -> None:
+        """Write the model into the directory ``path`` atomically (temp dir + os.replace)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            torch.save(self.net.state_dict(), tmp / "model.pt")
+            arrays: dict[str, Any] = {f"mean_{n}": self.mean[n] for n in self.widths}
+            arrays.update({f"std_{n}": self.std[n] for n in self.widths})
+            np.savez(tmp / "standardisation.npz", **arrays)
+            cfg = asdict(self.cfg)
+            (tmp / "calibrator.json").write_text(
+                json.dumps({"config": cfg, "widths": self.widths, "meta": self.meta}, indent=2)
+            )
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def load(cls, path: Path) -> Calibrator:
+        path = Path(path)
+        spec = json.loads((path / "calibrator.json").read_text())
+        raw = spec["config"]
+        raw["features"] = tuple(raw["features"])
+        cal = cls(CalibratorConfig(**raw), {n: int(w) for n, w in spec["widths"].items()})
+        cal.net.load_state_dict(torch.load(path / "model.pt", weights_only=True))
+        with np.load(path / "standardisation.npz") as z:
+            for n in cal.widths:
+                cal.mean[n], cal.std[n] = z[f"mean_{n}"], z[f"std_{n}"]
+        cal.meta = spec.get("meta", {})
+        return cal
+
+
+def validation_mask(n: int, cfg: CalibratorConfig, salt: int) -> np.ndarray:
+    """(n,) bool: seeded blocks of cfg.val_block tokens held out for validation."""
+    blocks = -(-n // cfg.val_block) if n else 0
+    rng = np.random.default_rng([cfg.seed, salt])
+    held = rng.random(blocks) < cfg.val_share
+    if blocks >= 2 and cfg.val_share > 0 and not held.any():
+        held[rng.integers(blocks)] = True
+    if held.all():
+        held[rng.integers(blocks)] = False
+    return np.repeat(held, cfg.val_block)[:n]
+
+
+def epochs_for(cfg: CalibratorConfig, first_size: int, size: int) -> int:
+    """App. A.3: max_epochs on the first day, fewer as the set grows, at least min_epochs."""
+    if size <= 0:
+        return 0
+    return max(cfg.min_epochs, min(cfg.max_epochs, round(cfg.max_epochs * first_size / size)))
+
+
+@dataclass
+class StreamCalibrator:
+    """A calibrator retrained each day on all held-out tokens seen so far."""
+
+    cfg: CalibratorConfig
+    model: Calibrator | None = None
+    train_parts: list[TrainingSet] = field(default_factory=list)
+    val_parts: list[TrainingSet] = field(default_factory=list)
+    first_size: int = 0
+    versions: int = 0
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_day(self, data: TrainingSet, day: int) -> dict[str, Any]:
+        """Add one day's tokens (split into train / validation) and retrain."""
+        held = validation_mask(len(data), self.cfg, salt=day)
+        if len(data):
+            self.train_parts.append(data.take(np.flatnonzero(~held)))
+            self.val_parts.append(data.take(np.flatnonzero(held)))
+        if not self.train_parts:
+            return {"day": day, "trained": False}
+        train = TrainingSet.concat(self.train_parts)
+        val = TrainingSet.concat(self.val_parts)
+        if self.model is None:
+            self.model = Calibrator(self.cfg, {n: v.shape[1] for n, v in data.feats.items()})
+            self.first_size = len(train)
+        self.model.fit_standardisation(train.feats)
+        epochs = epochs_for(self.cfg, self.first_size, len(train))
+        rep = self.model.train_epochs(train, val, epochs, seed=self.cfg.seed * 1000 + day)
+        self.versions += 1
+        rep.update(
+            {"day": day, "trained": True, "train_tokens": len(train), "val_tokens": len(val)}
+        )
+        self.model.meta = {"version": self.versions, **rep}
+        self.reports.append(rep)
+        return rep
+
+    def predict(self, feats: dict[str, np.ndarray]) -> np.ndarray:
+        """lambda for each token; the untrained calibrator answers cfg.init_lambda."""
+        if self.model is None:
+            return np.full(len(next(iter(feats.values()))), self.cfg.init_lambda)
+        return self.model.predict(feats)
+
+
+# --- the calibrated evaluation of one policy ----------------------------------------------
+
+
+@dataclass
+class CalibratedResult:
+    """Test-token log-probabilities with per-token lambda (and the gate's decisions)."""
+
+    logprobs: np.ndarray  # (m,) augmented log p(gold)
+    lambdas: np.ndarray  # (m,) lambda used (0 where skipped or no neighbour)
+    searched: np.ndarray  # (m,) bool: the gate let the search happen
+    reports: list[dict[str, Any]]
+    gate_reports: list[dict[str, Any]]
+
+    @property
+    def skipped_share(self) -> float:
+        return float(1 - self.searched.mean()) if self.searched.size else 0.0
+
+
+def training_set(
+    split: dict[str, np.ndarray], params: KnnParams, features: Sequence[str]
+) -> TrainingSet:
+    """The tokens of ``split`` with at least one neighbour, as a calibrator training set."""
+    feats = split_features(split)
+    valid = has_neighbours(np.where(split["values"] >= 0, 0, -1))
+    keep = np.flatnonzero(valid)
+    return TrainingSet.build(
+        {n: feats[n][keep] for n in features},
+        split["target_lm_logprob"][keep],
+        gold_knn_logprob(split, params)[keep],
+    )
+
+
+def calibrate_stream(
+    dev: dict[str, np.ndarray],
+    test: dict[str, np.ndarray],
+    params: KnnParams,
+    cfg: CalibratorConfig | None = None,
+    *,
+    gate: CalibratorConfig | None = None,
+    theta: float = 0.0,
+    save_dir: Path | None = None,
+) -> CalibratedResult:
+    """Train day by day on dev tokens (days <= d) and score the test tokens of day d.
+
+    Equivalent to training inside the stream: every feature of a day's held-out tokens
+    (distances against that evening's index, lexical statistics up to that day) was
+    recorded at that time.  ``params`` gives k and T of p_kNN (tuned on dev); with
+    ``gate`` and theta > 0 a gate model trained the same way skips the search of tokens
+    whose gate lambda is below theta.  ``save_dir``: each version is saved as
+    ``save_dir/day-<n>/{calibrator,gate}``.
+    """
+    cfg = cfg or CalibratorConfig()
+    stream = StreamCalibrator(cfg)
+    gate_stream = StreamCalibrator(gate) if gate is not None else None
+    test_feats = split_features(test)
+    knn_test = gold_knn_logprob(test, params)
+    valid_test = has_neighbours(np.where(test["values"] >= 0, 0, -1))
+    lam = np.zeros(len(knn_test))
+    searched = np.ones(len(knn_test), bool)
+    days = sorted(set(dev["day"].tolist()) | set(test["day"].tolist()))
+    for day in days:
+        on_day = dev["day"] == day
+        if on_day.any():
+            part = {k: v[on_day] for k, v in dev.items()}
+            stream.add_day(training_set(part, params, cfg.features), day)
+            if gate_stream is not None:
+                gate_stream.add_day(training_set(part, params, gate_stream.cfg.features), day)
+            if save_dir is not None and stream.model is not None:
+                stream.model.save(save_dir / f"day-{day}" / CALIBRATOR_DIR)
+                if gate_stream is not None and gate_stream.model is not None:
+                    gate_stream.model.save(save_dir / f"day-{day}" / "gate")
+        rows = np.flatnonzero(test["day"] == day)
+        if not len(rows):
+            continue
+        f = {n: v[rows] for n, v in test_feats.items()}
+        lam[rows] = stream.predict({n: f[n] for n in cfg.features})
+        if gate_stream is not None and theta > 0:
+            g = gate_stream.predict({n: f[n] for n in gate_stream.cfg.features})
+            searched[rows] = g >= theta
+    use = valid_test & searched
+    lam = np.where(use, lam, 0.0)
+    lp = interpolate(test["target_lm_logprob"], knn_test, lam, use)
+    return CalibratedResult(
+        lp, lam, searched, stream.reports, gate_stream.reports if gate_stream else []
+    )
