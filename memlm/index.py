@@ -526,7 +526,8 @@ class MemoryIndex:
             return added
 
     def reload(self) -> bool:
-        """Switch to the version CURRENT names if it is newer; returns whether it did."""
+        """Switch to the version CURRENT names when it differs from the served one (a new
+        build, or an operator pointing CURRENT back); returns whether it switched."""
         with self._writer:
             self.datastore.reload()
             version = current_version(self.root)
