@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,7 +156,7 @@ def _convert_bundled(kind: str) -> Path:
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=_BUNDLED_GGUF)
             tok.save_pretrained(tmp)
             if kind == "model":
-                model = AutoModelForCausalLM.from_pretrained(
+                model: Any = AutoModelForCausalLM.from_pretrained(
                     folder, gguf_file=_BUNDLED_GGUF, dtype=torch.float32
                 )
                 # The weights are dequantised to float32: drop the GGUF quantiser so that
@@ -174,7 +175,7 @@ def bundled_tokenizer_path() -> Path:
     return _convert_bundled("tokenizer")
 
 
-def _tiny_model(name: str, vocab_size: int, seed: int = 0) -> nn.Module:
+def _tiny_model(name: str, vocab_size: int, seed: int = 0) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -202,7 +203,7 @@ def _tiny_model(name: str, vocab_size: int, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(cfg_l)
 
 
-def _find_last_mlp(model: nn.Module) -> nn.Module:
+def _find_last_mlp(model: Any) -> nn.Module:
     base = model.base_model
     for attr in ("layers", "h"):  # Llama family / GPT-2 family
         layers = getattr(base, attr, None)
@@ -216,11 +217,11 @@ def _find_last_mlp(model: nn.Module) -> nn.Module:
 class Encoder:
     """A frozen causal LM with a tokenizer, returning per-token keys and LM statistics."""
 
-    def __init__(self, model: nn.Module, tokenizer: object, name: str, threads: int | None = None):
+    def __init__(self, model: Any, tokenizer: Any, name: str, threads: int | None = None):
         self.name = name
         # key_ce needs a second (n, V) head product (+20% FLOPs); only MoNIM(KL) reads it.
         self.compute_key_ce = False
-        self.model = model.eval().float()
+        self.model: Any = model.eval().float()
         self.tokenizer = tokenizer
         self.threads = threads or default_threads()
         torch.set_num_threads(self.threads)

@@ -62,7 +62,7 @@ def knn_logprob(
 
 def has_neighbours(ids: np.ndarray) -> np.ndarray:
     """(n,) bool: the row has at least one valid neighbour."""
-    return (ids >= 0).any(axis=1)
+    return np.asarray((ids >= 0).any(axis=1))
 
 
 def interpolate(
