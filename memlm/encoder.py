@@ -236,7 +236,9 @@ class Encoder:
         cfg = model.config
         self.dim = int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
         self.max_positions = int(
-            getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1024)
+            getattr(cfg, "max_position_embeddings", None)
+            or getattr(cfg, "n_positions", None)
+            or 1024
         )
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -267,15 +269,15 @@ class Encoder:
     # -- tokens --
 
     def tokenize(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([int(i)]) for i in ids]  # type: ignore[attr-defined]
+        return [self.tokenizer.decode([int(i)]) for i in ids]
 
     def char_offsets(self, text: str) -> list[tuple[int, int]]:
         """Character span of every token of ``tokenize(text)``."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return [tuple(x) for x in enc["offset_mapping"]]
 
     # -- forward --
