@@ -24,7 +24,8 @@ from service.middleware import BodyGuard, RequestMetrics
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
-from workers.engine import EngineLike, open_engine
+from workers.engine import EngineLike
+from workers.engine import open_engine as _open_engine
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ def create_app(
     thread over the same engine. ``poll`` keeps the served index in step with builds.
     """
     settings = settings or Settings()
-    factory = engine_factory or open_engine
     with_worker = settings.embedded_worker if run_worker is None else run_worker
+    factory = engine_factory or partial(_open_engine, writer=with_worker)
     if policy_factory is None:
         from workers.engine import policy_factory as default_policy_factory
 

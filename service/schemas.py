@@ -114,13 +114,6 @@ class Suggestion(BaseModel):
     knn_prob: float = Field(description="probability under the memory (kNN)")
 
 
-class WordSuggestion(BaseModel):
-    word: str
-    prob: float
-    lm_prob: float
-    knn_prob: float
-
-
 class NeighbourOut(BaseModel):
     entry_id: int
     document_id: int
@@ -137,7 +130,6 @@ class PredictResponse(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     suggestions: list[Suggestion]
-    words: list[WordSuggestion] = Field(default_factory=list)
     lambda_: float = Field(alias="lambda", serialization_alias="lambda")
     neighbours: list[NeighbourOut]
     index_version: int | str | None = None

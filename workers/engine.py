@@ -39,10 +39,25 @@ class EngineLike(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-def open_engine(settings: Settings, *, encoder: Any = None) -> EngineLike:
-    """Open the real engine on the settings' data directory (loads the model)."""
+def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True) -> EngineLike:
+    """Open the real engine on the settings' data directory (loads the model).
+
+    ``writer=False`` opens the memory read-only, for an API whose worker is another
+    process; the API then calls ``engine.sync()`` to see what the worker wrote.
+    """
+    import inspect
+
     from memlm.engine import Engine  # heavy: torch, transformers, faiss
     from memlm.knnlm import KnnParams
+
+    extra: dict[str, Any] = {}
+    if not writer:
+        if "readonly" not in inspect.signature(Engine.open).parameters:
+            raise RuntimeError(
+                "this engine cannot open the memory read-only; "
+                "run the worker inside the API (MEMLM_EMBEDDED_WORKER=true)"
+            )
+        extra["readonly"] = True
 
     defaults = KnnParams()
     knn = KnnParams(
@@ -59,6 +74,7 @@ def open_engine(settings: Settings, *, encoder: Any = None) -> EngineLike:
         rate=settings.randmem_rate,
         threads=settings.threads,
         encoder=encoder,
+        **extra,
     )
     return engine
 

@@ -20,7 +20,6 @@ from service.schemas import (
     ScoreRequest,
     ScoreResponse,
     Suggestion,
-    WordSuggestion,
 )
 from service.state import AppState
 
@@ -74,7 +73,6 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
                 return DocumentRepository(s).many(int(n.doc_id) for n in pred.neighbours)
 
         docs = await run_in_threadpool(lookup)
-    words = getattr(pred, "words", None) or []
     return PredictResponse(
         suggestions=[
             Suggestion(
@@ -85,10 +83,6 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
                 knn_prob=s.knn_prob,
             )
             for s in pred.suggestions
-        ],
-        words=[
-            WordSuggestion(word=w.word, prob=w.prob, lm_prob=w.lm_prob, knn_prob=w.knn_prob)
-            for w in words
         ],
         **{"lambda": _lambda(pred)},
         neighbours=neighbours_out(pred.neighbours, docs, state.cached.get("char_span")),
