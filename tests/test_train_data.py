@@ -15,6 +15,7 @@ from memlm.train.data import (
     positions_in_document,
     segment_batches,
     split_documents,
+    word_spans,
     word_tokens,
 )
 
@@ -58,6 +59,8 @@ def test_word_tokens_map_numbers_to_N():
         "in", "N", ",", "N", "people", "paid", "$", "N", "m", ";", "it's", "well-known", ".",
     ]  # fmt: skip
     assert word_tokens("Rome 12:30", lowercase=False) == ["Rome", "N"]
+    text = "It's 12:30, Rome."
+    assert [text[a:b] for a, b in word_spans(text)] == ["It's", "12:30", ",", "Rome", "."]
 
 
 def test_word_vocabulary_is_fixed_with_unk(tmp_path: Path):

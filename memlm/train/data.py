@@ -101,6 +101,11 @@ _WORD_RE = re.compile(r"\d+(?:[.,:/]\d+)*|\w+(?:['\u2019-]\w+)*|[^\w\s]")
 _NUMBER_RE = re.compile(r"\d+(?:[.,:/]\d+)*")
 
 
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """Character span of every token of :func:`word_tokens`."""
+    return [m.span() for m in _WORD_RE.finditer(text)]
+
+
 def word_tokens(text: str, lowercase: bool = True) -> list[str]:
     """Split text into word tokens; numbers become ``N``."""
     out = []
