@@ -399,6 +399,8 @@ class EvalConfig:
     grid: TuneGrid = field(default_factory=TuneGrid)
     threads: int | None = None
     keep_stores: bool = False
+    lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
+    gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
 
 
 def evaluate(
@@ -498,7 +500,10 @@ def _report(
         else:
             params, dev_ppl = tune(run.dev, cfg.grid)
             test_lp = token_logprobs(run.test, params)
+            if cfg.lambda_mode == "calibrated":
+                test_lp, calibrated = _calibrated_test(run, params, cfg)
         results[name] = {
+            **(calibrated if name != "bare" and cfg.lambda_mode == "calibrated" else {}),
             "test_ppl": ppl(test_lp),
             "dev_ppl": dev_ppl,
             "memrate": run.memrate,
@@ -555,12 +560,29 @@ def _report(
             "seeds": {"split": cfg.seed, "randmem": cfg.seed},
             "index_kind": cfg.index_kind,
             "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to test",
-            "lambda_mode": "constant",
+            "lambda_mode": cfg.lambda_mode,
+            "gate_theta": cfg.gate_theta if cfg.lambda_mode == "calibrated" else None,
             "seconds": round(seconds, 1),
             "encoded_tokens_this_run": cache.encoded_tokens,
         },
         "results": results,
         "per_day": per_day,
+    }
+
+
+def _calibrated_test(
+    run: PolicyRun, params: KnnParams, cfg: EvalConfig
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Test log-probabilities with the calibrator trained day by day on dev (memlm.calibrator)."""
+    from memlm.calibrator import calibrate_stream, gate_config
+
+    gate = gate_config() if cfg.gate_theta > 0 else None
+    res = calibrate_stream(run.dev, run.test, params, gate=gate, theta=cfg.gate_theta)
+    valid = has_neighbours(np.where(run.test["values"] >= 0, 0, -1))
+    return res.logprobs, {
+        "constant_lambda_test_ppl": ppl(token_logprobs(run.test, params)),
+        "mean_calibrated_lambda": float(res.lambdas[valid].mean()) if valid.any() else 0.0,
+        "searches_skipped": res.skipped_share,
     }
 
 
@@ -577,7 +599,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"{sl['days']} days ({sl['first_day']} .. {sl['last_day']}), {sl['train_documents']} ingested "
         f"documents, {sl['dev_documents']} dev / {sl['test_documents']} test documents; window "
-        f"{s['window']['context']} tokens, stride {s['window']['stride']}; k, T, lambda tuned on dev.",
+        f"{s['window']['context']} tokens, stride {s['window']['stride']}; k, T, lambda tuned on dev; "
+        f"lambda: {s.get('lambda_mode', 'constant')}"
+        + (
+            f" (NN calibrator, gate theta {s['gate_theta']:g})"
+            if s.get("lambda_mode") == "calibrated"
+            else ""
+        )
+        + ".",
         "",
         "| policy | test ppl | dev ppl | MemRate | entries | tokens seen | lambda | T | k |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -32,6 +32,13 @@ def eval_command(
     seed: int = typer.Option(0),
     threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
     keep_stores: bool = typer.Option(False, help="keep each policy's datastore and index"),
+    lambda_mode: str = typer.Option(
+        "constant",
+        help="constant (tuned on dev) or calibrated (NN calibrator trained day by day on dev)",
+    ),
+    gate_theta: float = typer.Option(
+        0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
+    ),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -43,6 +50,12 @@ def eval_command(
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
+    if lambda_mode not in ("constant", "calibrated"):
+        raise typer.BadParameter("--lambda-mode must be 'constant' or 'calibrated'")
+    if not 0.0 <= gate_theta < 1.0 or (gate_theta > 0 and lambda_mode != "calibrated"):
+        raise typer.BadParameter(
+            "--gate-theta must be in [0, 1) and needs --lambda-mode calibrated"
+        )
     cfg = EvalConfig(
         corpus=corpus,
         model=model,
@@ -61,6 +74,8 @@ def eval_command(
         index_kind=index_kind,
         threads=threads,
         keep_stores=keep_stores,
+        lambda_mode=lambda_mode,
+        gate_theta=gate_theta,
     )
     report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
     from memlm.evaluate import render_markdown
