@@ -100,7 +100,17 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal_error", "internal server error")
 
+    async def value_error(request: Request, exc: Exception) -> JSONResponse:
+        # The engine says "this text cannot be used" with EngineInputError; other
+        # ValueErrors are bugs. Imported here: by the time one is raised, it is loaded.
+        from memlm.engine import EngineInputError
+
+        if isinstance(exc, EngineInputError):
+            return error_response(422, "invalid_input", str(exc))
+        return await unexpected(request, exc)
+
     app.add_exception_handler(DomainError, domain)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http)
+    app.add_exception_handler(ValueError, value_error)
     app.add_exception_handler(Exception, unexpected)

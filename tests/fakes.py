@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from memlm.engine import EngineInputError
+
 VOCAB = ("the", "a", "of", "and", "to", "in")
 
 
@@ -130,6 +132,8 @@ class FakeEngine:
         return IngestResult(len(words) - 1, len(self.entries) - first, first, len(self.entries))
 
     def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
+        if not context.split():
+            raise EngineInputError("the context is empty after tokenisation")
         last = context.split()[-1]
         knn = self._knn(last)
         lam = 0.5 if knn else 0.0
@@ -157,6 +161,8 @@ class FakeEngine:
 
     def score(self, text: str, *, policy: Any = None) -> ScoreResult:
         words = text.split()
+        if len(words) < 2:
+            raise EngineInputError("the text must hold at least two tokens")
         name = policy or self.policy
         memory = {(e.key, e.value) for e in self._live()}
         lm_lp, lp, store = [], [], []

@@ -290,6 +290,14 @@ def test_predict_and_score_validation(env: Env) -> None:
     assert c.post("/predict", json={"context": "a", "top_n": 0}).status_code == 422
     assert c.post("/predict", json={"context": "a", "neighbours": 101}).status_code == 422
     assert c.post("/score", json={}).status_code == 422
+    r = c.post("/score", json={"text": "one"})
+    assert r.status_code == 422
+    assert r.json() == {
+        "error": "invalid_input",
+        "detail": "the text must hold at least two tokens",
+    }
+    r = c.post("/predict", json={"context": "   "})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_input"
     assert c.get("/documents/999").json() == {
         "error": "not_found",
         "detail": "document 999 does not exist",
