@@ -195,3 +195,17 @@ def test_run_loop_processes_until_stopped(setup: Setup) -> None:
     stop.set()
     t.join(5)
     assert engine.processed == ids and not t.is_alive()
+
+
+def test_standby_run_loop_returns_when_stopped_while_waiting(setup: Setup) -> None:
+    import threading
+
+    settings, sessions, engine, new_worker = setup
+    holder = new_worker()
+    holder.start(timeout=1)
+    stop = threading.Event()
+    t = threading.Thread(target=new_worker().run, args=(stop,))
+    t.start()
+    stop.set()
+    t.join(5)
+    assert not t.is_alive()

@@ -38,7 +38,7 @@ from memlm.db.repositories import (
 from memlm.settings import Settings
 from workers.builder import run_queued_build
 from workers.engine import EngineLike, day_number
-from workers.lock import FileLock
+from workers.lock import FileLock, LockBusy
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,13 @@ class IngestWorker:
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
         """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle."""
+        while not self.lock.held:
+            try:
+                self.lock.acquire(timeout=self.settings.worker_poll_seconds)
+            except LockBusy:
+                log.info("another worker holds %s; waiting as a standby", self.lock.path)
+                if stop.wait(self.settings.worker_poll_seconds):
+                    return
         recovery = self.start()
         log.info("worker %s started: %s", self.name, recovery)
         try:
