@@ -109,3 +109,18 @@ def test_too_long_context_and_unknown_model():
 def test_perplexity():
     assert perplexity(np.log(np.full(4, 0.25))) == pytest.approx(4.0)
     assert np.isnan(perplexity(np.zeros(0)))
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_on_real_news():
+    from memlm.corpus import load_news
+
+    enc = Encoder.load("smollm2-135m", threads=2)
+    assert (enc.dim, enc.vocab_size, enc.hidden_dim) == (576, 49152, 576)
+    assert type(enc.model).__name__ == "LlamaForCausalLM"
+    doc = next(d for d in load_news() if d.published_at.isoformat() == "2017-02-13")
+    ids = enc.tokenize(doc.text)[:600]
+    out = enc.encode_ids(ids, WindowConfig(context=512, stride=256))
+    assert len(out) == len(ids) - 1
+    # DATA.md: about 15-27 on ordinary news prose with 512-token windows
+    assert 8.0 < perplexity(out.target_logprob) < 40.0
