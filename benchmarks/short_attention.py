@@ -7,7 +7,14 @@ paper's three findings checked on these numbers, and writes the average attentio
 per window position as a PNG.  Each model's metrics and checkpoint go under ``--out``;
 a model whose metrics exist is not retrained (the run resumes).
 
-    heavy python benchmarks/short_attention.py --steps 800
+    heavy python benchmarks/short_attention.py --steps 500
+
+With ``--knn-eval CHECKPOINT`` it instead runs the streaming evaluation (``memlm.evaluate``,
+FullMem vs MoNIM) with a trained model as the LM, over the documents of the dev and test
+splits only (the LM never trained on them; the harness splits them again by day into
+ingested / dev / test documents):
+
+    heavy python benchmarks/short_attention.py --knn-eval runs/short-attention/kvp-5/model.pt
 """
 
 from __future__ import annotations
@@ -200,6 +207,35 @@ def plot_attention(results: dict[str, dict[str, object]], path: Path) -> None:
     print(f"\nwrote {path}")
 
 
+def knn_eval(args: argparse.Namespace) -> int:
+    """FullMem vs MoNIM with a trained short-span LM as the encoder of the datastore."""
+    from memlm.corpus import load_news
+    from memlm.evaluate import EvalConfig, evaluate, render_markdown
+    from memlm.train.data import split_documents
+    from memlm.train.lstm_encoder import ShortSpanEncoder
+
+    enc = ShortSpanEncoder.from_checkpoint(args.knn_eval)
+    splits = split_documents(load_news())  # the split the LM was trained with (seed 0, 5%/5%)
+    docs = sorted(splits.dev + splits.test, key=lambda d: (d.published_at, d.id))
+    cfg = EvalConfig(
+        model=enc.name,
+        policies=("fullmem", "monim"),
+        index_kind="flat",
+        max_eval_docs_per_day=args.eval_docs_per_day,
+        days=args.knn_days,
+        seed=args.seed,
+    )
+    report = evaluate(cfg, docs, args.knn_out, encoder=enc)
+    print(render_markdown(report))
+    for name, r in report["results"].items():
+        print(
+            f"{name:8s} MemRate {r['memrate']:6.1%}  entries {r['entries']:7d}  dev ppl "
+            f"{r['dev_ppl']:7.2f}  test ppl {r['test_ppl']:7.2f}  (k {r['k']}, T {r['temperature']}, "
+            f"lambda {r['lambda']})"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=800, help="training windows per model")
@@ -211,10 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated model names")
     p.add_argument("--out", type=Path, default=Path("runs/short-attention"))
-    p.add_argument("--plot", type=Path, default=Path("docs/img/short-attention-weights.png"))
+    p.add_argument("--plot", default="docs/img/short-attention-weights.png", help="'' for none")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--knn-eval", type=Path, default=None, help="checkpoint: FullMem vs MoNIM run")
+    p.add_argument("--knn-out", type=Path, default=Path("runs/short-attention-knn"))
+    p.add_argument(
+        "--eval-docs-per-day", type=int, default=2, help="--knn-eval: dev/test docs a day"
+    )
+    p.add_argument("--knn-days", type=int, default=None, help="--knn-eval: first N days only")
     args = p.parse_args(argv)
     set_threads(args.threads)
+    if args.knn_eval is not None:
+        return knn_eval(args)
     print(
         f"# short attention spans: python {platform.python_version()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s); args {vars(args)}",
@@ -225,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(results)
     check_findings(results)
     if args.plot and any(r.get("test_attention") for r in results.values()):
-        plot_attention(results, args.plot)
+        plot_attention(results, Path(args.plot))
     total = sum(_num(r["train_seconds"]) + _num(r.get("eval_seconds", 0)) for r in results.values())
     print(
         f"\ntrain+eval seconds over the {len(results)} models: {total:.0f} ({total / 60:.1f} min); "
