@@ -1,0 +1,78 @@
+"""`memlm up --demo` end to end in a subprocess (tiny random Llama): the one command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ADMIN = {"Authorization": "Bearer change-me"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
+    port = _port()
+    env = {
+        **os.environ,
+        "MEMLM_DATA_DIR": str(tmp_path / "data"),
+        "MEMLM_MODEL": "tiny-llama",
+        "MEMLM_THREADS": "1",
+        "MEMLM_INDEX_POLL_SECONDS": "0.5",
+        "MEMLM_WORKER_POLL_SECONDS": "0.2",
+    }
+    env.pop("MEMLM_DATABASE_URL", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memlm.cli",
+            "up",
+            "--demo",
+            "--demo-days",
+            "1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            deadline = time.monotonic() + 240
+            stats: dict = {}
+            while time.monotonic() < deadline:
+                try:
+                    if c.get("/readyz").status_code == 200:
+                        stats = c.get("/admin/stats", headers=ADMIN).json()
+                        if stats["documents"] == {"done": 1}:
+                            break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            assert stats.get("documents") == {"done": 1}, stats
+            assert stats["entries"] == stats["tokens_stored"] > 0
+            pred = c.post("/predict", json={"context": "The", "neighbours": 3}).json()
+            first = pred["neighbours"][0]
+            assert first["document_id"] == 1 and first["published_at"] == "2016-04-19"
+            assert first["snippet"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    assert "demo: 1 news articles of 1 days queued (1 new" in out
+    assert "scheduler started" in out
