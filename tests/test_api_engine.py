@@ -164,7 +164,7 @@ def test_worker_process_killed_between_append_and_commit(
     assert len(on_disk) == n_first  # appended durably, never committed
     on_disk.close()
     with sessions() as s:
-        assert s.get(Document, ids[0]).status == "processing"  # type: ignore[union-attr]
+        assert s.get(Document, ids[0]).status == "processing"
 
     engine = open_engine(settings, encoder=tiny)
     worker = IngestWorker(engine, sessions, settings, policy_factory=policy_factory)
