@@ -209,3 +209,20 @@ def test_standby_run_loop_returns_when_stopped_while_waiting(setup: Setup) -> No
     stop.set()
     t.join(5)
     assert not t.is_alive()
+
+
+def test_build_interrupted_by_a_crash_is_built_after_restart(setup: Setup) -> None:
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild
+
+    settings, sessions, engine, new_worker = setup
+    enqueue_rebuild(sessions, key="nightly:2017-02-07", requested_by="scheduler")
+    with sessions.begin() as s:
+        assert BuildRepository(s).claim_queued() is not None  # a worker died while building
+    w = new_worker()
+    assert w.start(timeout=1).released_builds == 1
+    assert w.step() == "nightly:2017-02-07"
+    assert engine.built_version == 1
+    with sessions() as s:
+        [row] = BuildRepository(s).recent()
+        assert (row.status, row.version) == ("done", "1")
