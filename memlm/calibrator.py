@@ -404,12 +404,16 @@ class StreamCalibrator:
     versions: int = 0
     reports: list[dict[str, Any]] = field(default_factory=list)
 
-    def add_day(self, data: TrainingSet, day: int) -> dict[str, Any]:
-        """Add one day's tokens (split into train / validation) and retrain."""
+    def add_history(self, data: TrainingSet, day: int) -> None:
+        """Add one day's tokens (split into train / validation) without retraining."""
         held = validation_mask(len(data), self.cfg, salt=day)
         if len(data):
             self.train_parts.append(data.take(np.flatnonzero(~held)))
             self.val_parts.append(data.take(np.flatnonzero(held)))
+
+    def add_day(self, data: TrainingSet, day: int) -> dict[str, Any]:
+        """Add one day's tokens (split into train / validation) and retrain."""
+        self.add_history(data, day)
         if not self.train_parts:
             return {"day": day, "trained": False}
         train = TrainingSet.concat(self.train_parts)
@@ -424,7 +428,7 @@ class StreamCalibrator:
         rep.update(
             {"day": day, "trained": True, "train_tokens": len(train), "val_tokens": len(val)}
         )
-        self.model.meta = {"version": self.versions, **rep}
+        self.model.meta = {"version": self.versions, "first_size": self.first_size, **rep}
         self.reports.append(rep)
         return rep
 
@@ -520,3 +524,149 @@ def calibrate_stream(
     return CalibratedResult(
         lp, lam, searched, stream.reports, gate_stream.reports if gate_stream else []
     )
+
+
+# --- serving: the calibrator that matches the active index version ------------------------
+
+
+class ServedCalibration:
+    """Lexical statistics, the held-out training set and the per-version calibrator + gate.
+
+    Files (``data_dir`` of an engine): ``lexical.npz`` (updated after every ingested
+    document), ``calibrator-train.npz`` (every held-out token given to ``train`` so far),
+    and, beside each index build ``index/v000042/``: ``lexical.npz`` (the statistics the
+    build saw), ``calibrator/`` and ``gate/`` (trained for that version).  A process that
+    serves version v loads v's calibrator, or the newest older one when v has none yet.
+    """
+
+    def __init__(self, data_dir: Path, vocab_size: int, *, theta: float = 0.0):
+        from memlm.lexical import LexicalStats
+
+        self.data_dir = Path(data_dir)
+        self.theta = theta
+        self.lexical = LexicalStats.load(self.data_dir / "lexical.npz", vocab_size)
+        self.vocab_size = vocab_size
+        self.served_lexical = self.lexical  # the active version's snapshot once loaded
+        self._loaded: tuple[str, int] | None = None  # (version dir, mtime) of the loaded model
+        self.version: int | None = None
+        self.calibrator: Calibrator | None = None
+        self.gate: Calibrator | None = None
+
+    def observe(self, token_ids: Sequence[int]) -> None:
+        """Count one ingested document's tokens and persist the statistics."""
+        self.lexical.update(np.asarray(token_ids, np.int64))
+        self.lexical.save(self.data_dir / "lexical.npz")
+
+    def snapshot(self, index_root: Path, version: int) -> None:
+        """Save the lexical statistics beside a new index build."""
+        self.lexical.save(Path(index_root) / f"v{version:06d}" / "lexical.npz")
+
+    def load_for(self, index_root: Path, version: int | None) -> bool:
+        """Use the calibrator (and gate, lexical statistics) of ``version``; True if one."""
+        from memlm.lexical import LexicalStats
+
+        self.version = version
+        root = Path(index_root)
+        found = [
+            int(p.parent.parent.name[1:]) for p in root.glob(f"v*/{CALIBRATOR_DIR}/calibrator.json")
+        ]
+        usable = [v for v in found if version is not None and v <= version]
+        if not usable:
+            self.calibrator = self.gate = None
+            self.served_lexical = self.lexical
+            self._loaded = None
+            return False
+        vdir = root / f"v{max(usable):06d}"
+        stamp = (str(vdir), (vdir / CALIBRATOR_DIR / "calibrator.json").stat().st_mtime_ns)
+        if stamp == self._loaded:  # reload_index() calls this often: load only what is new
+            return True
+        self.calibrator = Calibrator.load(vdir / CALIBRATOR_DIR)
+        gate_dir = vdir / "gate"
+        self.gate = Calibrator.load(gate_dir) if (gate_dir / "calibrator.json").exists() else None
+        lex = vdir / "lexical.npz"
+        self.served_lexical = (
+            LexicalStats.load(lex, self.vocab_size) if lex.exists() else self.lexical
+        )
+        self._loaded = stamp
+        return True
+
+    def gate_mask(
+        self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
+    ) -> np.ndarray:
+        """(m,) bool: search these tokens (all of them without a gate or with theta 0)."""
+        if self.gate is None or self.theta <= 0:
+            return np.ones(len(top_logprob), bool)
+        pre = token_features(top_logprob, entropy, self.served_lexical.features(prev_tokens))
+        return self.gate.predict({n: pre[n] for n in self.gate.cfg.features}) >= self.theta
+
+    def calibrated(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+    ) -> np.ndarray | None:
+        """(m,) lambda from the served calibrator, None when there is none."""
+        if self.calibrator is None:
+            return None
+        lex = self.served_lexical.features(prev_tokens)
+        feats = token_features(top_logprob, entropy, lex, distances, values)
+        return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
+
+    def train(
+        self,
+        split: dict[str, np.ndarray],
+        params: KnnParams,
+        index_root: Path,
+        version: int,
+        cfg: CalibratorConfig | None = None,
+        gate: CalibratorConfig | None = None,
+    ) -> dict[str, Any]:
+        """Add held-out tokens (EvalTokens-like arrays), retrain both models, save for version."""
+        cfg = cfg or CalibratorConfig()
+        gate = gate or gate_config()
+        store = self.data_dir / "calibrator-train.npz"
+        old: dict[str, np.ndarray] = {}
+        if store.exists():
+            with np.load(store) as z:
+                old = {k: z[k] for k in z.files}
+        new = {k: np.asarray(v) for k, v in split.items()}
+        both = {k: np.concatenate([old[k], new[k]]) if old else new[k] for k in new}
+        tmp = store.with_suffix(".tmp.npz")
+        arrays: dict[str, Any] = both
+        np.savez(tmp, **arrays)
+        os.replace(tmp, store)
+        vdir = Path(index_root) / f"v{version:06d}"
+        reports = {}
+        new_days = set(new["day"].tolist())
+        for name, c in ((CALIBRATOR_DIR, cfg), ("gate", gate)):
+            # Warm start from the newest earlier version: the old days only join the
+            # training set, the new days each retrain it (App. A.3's shrinking epochs).
+            stream = StreamCalibrator(c)
+            prev = self._previous(Path(index_root), name, version)
+            for day in sorted(set(both["day"].tolist())):
+                part = training_set(
+                    {k: v[both["day"] == day] for k, v in both.items()}, params, c.features
+                )
+                if prev is not None and day not in new_days:
+                    stream.add_history(part, int(day))
+                    continue
+                if prev is not None and stream.model is None:
+                    stream.model = prev
+                    stream.first_size = int(prev.meta.get("first_size", len(part)))
+                    stream.versions = int(prev.meta.get("version", 0))
+                stream.add_day(part, int(day))
+            if stream.model is not None and stream.reports:
+                stream.model.meta["index_version"] = version
+                stream.model.save(vdir / name)
+                reports[name] = stream.reports[-1]
+        return reports
+
+    @staticmethod
+    def _previous(root: Path, name: str, version: int) -> Calibrator | None:
+        found = sorted(
+            int(p.parent.parent.name[1:]) for p in root.glob(f"v*/{name}/calibrator.json")
+        )
+        earlier = [v for v in found if v < version]
+        return Calibrator.load(root / f"v{earlier[-1]:06d}" / name) if earlier else None

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from memlm.calibrator import ServedCalibration
 from memlm.datastore import Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Encoder, TokenOutputs, WindowConfig
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
-from memlm.knnlm import KnnParams, augmented_scores, has_neighbours
+from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
 from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
 
 __all__ = ["Engine", "make_policy"]
@@ -92,6 +93,7 @@ class Engine:
         knn: KnnParams | None = None,
         policy: Policy | None = None,
         window: WindowConfig | None = None,
+        gate_theta: float = 0.0,
     ):
         self.data_dir = Path(data_dir)
         self.encoder = encoder
@@ -103,6 +105,9 @@ class Engine:
         self._write_lock = threading.Lock()  # one appender (datastore is single-writer)
         self._build_lock = threading.Lock()
         self._set_key_ce(self.policy)
+        # lambda per token from the calibrator trained for the served index version
+        self.calibration = ServedCalibration(self.data_dir, encoder.vocab_size, theta=gate_theta)
+        self.calibration.load_for(self.data_dir / "index", self.index.version)
 
     @classmethod
     def open(
@@ -117,11 +122,12 @@ class Engine:
         threads: int | None = None,
         encoder: Encoder | None = None,
         window: WindowConfig | None = None,
+        gate_theta: float = 0.0,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
         enc = encoder or Encoder.load(model, threads=threads)
         pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
-        return cls(Path(data_dir), enc, knn=knn, policy=pol, window=window)
+        return cls(Path(data_dir), enc, knn=knn, policy=pol, window=window, gate_theta=gate_theta)
 
     def _set_key_ce(self, policy: Policy) -> None:
         if policy.needs_key_ce:
@@ -151,8 +157,10 @@ class Engine:
         vals[ok] = self.datastore.values(ids[ok])
         return dist, ids, vals
 
-    def _scores(self, out: TokenOutputs, policy: Policy) -> tuple[TokenScores, np.ndarray]:
-        """Policy scores of one document's tokens and the augmented log p(gold)."""
+    def _scores(
+        self, out: TokenOutputs, policy: Policy
+    ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Policy scores, the augmented log p(gold) (constant lambda) and the search."""
         dist, ids, vals = self._search(out.keys, self.knn.k)
         value_lm = self.encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
         aug = augmented_scores(
@@ -166,7 +174,8 @@ class Engine:
             value_lm,
             self.knn,
         )
-        return TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce), aug.target_logprob
+        scores = TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce)
+        return scores, aug.target_logprob, (dist, ids, vals)
 
     def _encode(self, text: str) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
@@ -187,9 +196,9 @@ class Engine:
     ) -> IngestResult:
         """Encode, score against the memory served now, apply the policy, append durably."""
         pol = self._policy(policy)
-        _, out = self._encode(text)
+        token_ids, out = self._encode(text)
         if pol.needs_augmented:
-            scores, _ = self._scores(out, pol)
+            scores, _, _ = self._scores(out, pol)
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
@@ -207,6 +216,7 @@ class Engine:
                 )
                 self.index.refresh()
             end = len(self.datastore)
+            self.calibration.observe(token_ids)
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         return IngestResult(len(out), n, first, end)
@@ -224,17 +234,31 @@ class Engine:
         if not ids:
             raise EngineInputError("the context is empty after tokenisation")
         key, hidden = self._last_position(ids)
-        lm = np.exp(self.encoder.full_logprobs(hidden)[0])  # (V,)
+        logp = self.encoder.full_logprobs(hidden)[0]  # (V,)
+        lm = np.exp(logp)
+        top, ent, prev = logp.max(keepdims=True), -(lm * logp).sum(keepdims=True), ids[-1:]
+        search = bool(self.calibration.gate_mask(top, ent, np.asarray(prev))[0])
         k = max(self.knn.k, neighbours)
-        dist, eids, vals = self._search(key, k)
+        if search or neighbours:
+            dist, eids, vals = self._search(key, k)
+        else:  # the retrieval gate: the memory would add little, the LM answer stands
+            dist, eids, vals = self._search(key[:0], k)  # (0, k) arrays of the right dtypes
+            dist, eids, vals = (
+                np.full((1, k), pad, a.dtype) for a, pad in ((dist, np.inf), (eids, -1), (vals, -1))
+            )
         knn = np.zeros_like(lm)
-        valid = bool(has_neighbours(eids[:, : self.knn.k])[0])
+        valid = search and bool(has_neighbours(eids[:, : self.knn.k])[0])
         if valid:
             d, v = dist[0, : self.knn.k], vals[0, : self.knn.k]
             ok = v >= 0
             w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
             np.add.at(knn, v[ok], w / w.sum())
         lam = self.knn.lmbda if valid else 0.0
+        cal = self.calibration.calibrated(
+            top, ent, np.asarray(prev), dist[:, : self.knn.k], vals[:, : self.knn.k]
+        )
+        if valid and cal is not None:
+            lam = float(cal[0])
         mix = (1 - lam) * lm + lam * knn
         top = np.argsort(-mix)[:top_n]
         strings = self.encoder.token_strings(top.tolist())
@@ -268,7 +292,14 @@ class Engine:
         """Per-token log-probabilities under the LM and the augmented model."""
         pol = self._policy(policy)
         _, out = self._encode(text)
-        scores, aug = self._scores(out, pol)
+        scores, aug, (dist, ids, vals) = self._scores(out, pol)
+        cal = self.calibration.calibrated(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
+        if cal is not None:  # per-token lambda; the gate's skipped tokens keep the LM
+            valid = has_neighbours(ids) & self.calibration.gate_mask(
+                out.top_logprob, out.entropy, out.prev_tokens
+            )
+            knn = knn_logprob(dist, ids, vals, out.targets[:, None], self.knn.temperature)
+            aug = interpolate(out.target_logprob, knn[:, 0], cal, valid)
         if not pol.needs_augmented and pol.needs_key_ce:
             scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
         store = pol.decide(scores)
@@ -301,13 +332,44 @@ class Engine:
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
             )
+            self.calibration.snapshot(self.data_dir / "index", info.version)
             prune(self.data_dir / "index", keep=3)
         self.index.reload()
+        self.calibration.load_for(self.data_dir / "index", self.index.version)
         return info
 
+    def train_calibrator(self, texts: list[str], day: int) -> dict[str, Any]:
+        """Add held-out documents of ``day`` to the calibrator's set, retrain, serve it.
+
+        The calibrator and the gate are saved beside the served index version; processes
+        serving that version pick them up on their next ``reload_index``.
+        """
+        version = self.index.version
+        if version is None:
+            raise EngineInputError("build an index before training the calibrator")
+        outs = [self._encode(t)[1] for t in texts]
+        o = TokenOutputs.concat(outs)
+        dist, _, vals = self._search(o.keys, max(self.knn.k, 10))
+        split = {
+            "target_lm_logprob": o.target_logprob.astype(np.float64),
+            "distances": dist,
+            "values": vals,
+            "day": np.full(len(o), day, np.int32),
+            "doc": np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(outs)]),
+            "gold": o.targets,
+            "top_logprob": o.top_logprob,
+            "entropy": o.entropy,
+            "lexical": self.calibration.lexical.features(o.prev_tokens),
+        }
+        report = self.calibration.train(split, self.knn, self.data_dir / "index", version)
+        self.calibration.load_for(self.data_dir / "index", version)
+        return report
+
     def reload_index(self) -> bool:
-        """Serve the newest built version if another process built one."""
-        return self.index.reload()
+        """Serve the newest built version (and its calibrator) if another process built one."""
+        changed = self.index.reload()
+        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        return changed
 
     def forget_document(self, doc_id: int) -> int:
         """Hide every entry of a document from search and from later builds."""
@@ -348,4 +410,9 @@ class Engine:
             "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
+            "calibrator": {
+                "active": self.calibration.calibrator is not None,
+                "gate": self.calibration.gate is not None,
+                "gate_theta": self.calibration.theta,
+            },
         }

@@ -224,3 +224,48 @@ def _train_parts(
         split["target_lm_logprob"],
         gold_knn_logprob(split, PARAMS),
     )
+
+
+# --- the engine serves the calibrator of its index version --------------------------------
+
+NEWS = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 4
+
+
+def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
+    from memlm.encoder import Encoder
+    from memlm.engine import Engine
+
+    enc = Encoder.load("tiny-llama", threads=1)
+    knn = KnnParams(k=8, temperature=1.0, lmbda=0.5)
+    eng = Engine.open(tmp_path / "data", encoder=enc, knn=knn, gate_theta=0.0)
+    eng.process_document(1, NEWS, 19000, policy="fullmem")
+    assert (tmp_path / "data" / "lexical.npz").exists()
+    info = eng.rebuild()
+    vdir = tmp_path / "data" / "index" / f"v{info.version:06d}"
+    assert (vdir / "lexical.npz").exists()
+    assert eng.predict("The harbour authority in Port").lam == 0.5  # no calibrator yet
+    report = eng.train_calibrator([NEWS], day=19000)
+    assert set(report) == {"calibrator", "gate"} and report["calibrator"]["day"] == 19000
+    assert (vdir / "calibrator" / "calibrator.json").exists() and (vdir / "gate").exists()
+    assert eng.stats()["calibrator"] == {"active": True, "gate": True, "gate_theta": 0.0}
+    pred = eng.predict("The harbour authority in Port")
+    ids = enc.tokenize("The harbour authority in Port")
+    out = enc.encode_ids(ids + [ids[0]])  # the last row predicts after "Port"
+    dist, _, vals = eng._search(out.keys[-1:], knn.k)
+    cal = Calibrator.load(vdir / "calibrator")
+    want = eng.calibration.calibrated(
+        out.top_logprob[-1:], out.entropy[-1:], out.prev_tokens[-1:], dist, vals
+    )
+    assert want is not None and pred.lam == pytest.approx(float(want[0]), rel=1e-4)
+    assert cal.meta["index_version"] == info.version
+    # a second process serving the same version loads the same calibrator
+    other = Engine.open(tmp_path / "data2", encoder=enc, knn=knn)
+    assert other.calibration.calibrator is None
+    assert eng.calibration.load_for(tmp_path / "data" / "index", info.version)
+    # the gate at theta 1 skips every search: the LM answer stands
+    eng.calibration.theta = 1.0
+    gated = eng.predict("The harbour authority in Port")
+    assert gated.lam == 0.0
+    assert all(s.knn_prob == 0.0 for s in gated.suggestions)
+    sc = eng.score(NEWS)
+    np.testing.assert_allclose(sc.logprobs, sc.lm_logprobs, rtol=1e-6)
