@@ -23,7 +23,7 @@ from memlm.datastore import Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Encoder, TokenOutputs, WindowConfig
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
-from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
+from memlm.policy import Policy, TokenScores, make_policy
 
 __all__ = ["Engine", "make_policy"]
 
@@ -117,7 +117,7 @@ class Engine:
         model: str = BUNDLED_MODEL,
         knn: KnnParams | None = None,
         policy: str | Policy = "monim",
-        delta: float = DEFAULT_DELTA,
+        delta: float | None = None,
         rate: float = 0.5,
         threads: int | None = None,
         encoder: Encoder | None = None,

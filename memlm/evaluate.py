@@ -31,7 +31,7 @@ from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
 from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
 from memlm.lexical import LexicalStats
-from memlm.policy import DEFAULT_DELTA, Policy, TokenScores, make_policy
+from memlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA, Policy, TokenScores, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def run_policy(
 
 @dataclass(frozen=True)
 class TuneGrid:
-    ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
     temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
     lambdas: tuple[float, ...] = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7)
 
@@ -391,10 +391,10 @@ class EvalConfig:
     seed: int = 0
     policies: tuple[str, ...] = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
     delta: float = DEFAULT_DELTA
-    kl_delta: float = DEFAULT_DELTA
+    kl_delta: float = DEFAULT_KL_DELTA
     rand_rate: float | None = None  # None: MoNIM's measured rate (0.5 if MoNIM is not run)
     ingest: KnnParams = field(default_factory=KnnParams)
-    k_max: int = 256
+    k_max: int = 1024  # MoNIM searches 1K neighbours; tuning picks k <= k_max on dev
     index_kind: str = "auto"
     grid: TuneGrid = field(default_factory=TuneGrid)
     threads: int | None = None

@@ -83,7 +83,11 @@ def test_amt_uses_augmented_max():
 def test_monim_kl_stores_what_the_key_does_not_know():
     # key log-prob of gold: -0.5 (known) -> skip; -4.0 (new information) -> store
     s = fake_scores([0.5, 0.5], [0.5, 0.5], [0, 0], key_ce=[0.5, 4.0])
+    assert MoNIMKL(delta=-1.5).decide(s).tolist() == [False, True]
+    # the default threshold is on the scale of the key's flat projection
+    s = fake_scores([0.5, 0.5], [0.5, 0.5], [0, 0], key_ce=[9.0, 11.0])
     assert MoNIMKL().decide(s).tolist() == [False, True]
+    assert make_policy("monim-kl").delta == -10.0 and make_policy("monim").delta == -1.5
     with pytest.raises(ValueError, match="key_ce"):
         MoNIMKL().decide(fake_scores([0.5], [0.5], [0]))
 

@@ -19,7 +19,9 @@ def eval_command(
         "fullmem,randmem,monim,monim-amt,monim-kl", help="comma-separated; 'bare' always runs"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
-    kl_delta: float = typer.Option(-1.5, help="MoNIM(KL) threshold on the key's log p(x_t)"),
+    kl_delta: float = typer.Option(
+        -10.0, help="MoNIM(KL) threshold on the key's log p(x_t) (see memlm/policy.py)"
+    ),
     rand_rate: float | None = typer.Option(None, help="RandMem rate (default: MoNIM's MemRate)"),
     context: int = typer.Option(512, help="window length in tokens"),
     stride: int = typer.Option(256, help="window stride in tokens"),
@@ -27,7 +29,7 @@ def eval_command(
     k: int = typer.Option(64, help="neighbours used while ingesting (MoNIM's augmented model)"),
     temperature: float = typer.Option(5.0, help="kNN temperature while ingesting"),
     lmbda: float = typer.Option(0.25, "--lambda", help="interpolation weight while ingesting"),
-    k_max: int = typer.Option(256, help="neighbours fetched for held-out tokens (tuning grid)"),
+    k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
     index_kind: str = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
     seed: int = typer.Option(0),
     threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
