@@ -31,7 +31,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +164,8 @@ class CalibratorConfig:
     min_epochs: int = 1  # ... down to 1 as the training set grows
     val_share: float = 0.2  # held-out blocks of the calibrator's own validation split
     val_block: int = 64  # tokens per validation block (neighbouring tokens are alike)
-    init_lambda: float = 0.25  # the untrained model starts at the usual constant lambda
+    init_lambda: float = 0.25  # where the untrained model starts (every token) ...
+    init_from_constant: bool = True  # ... unless it starts at the constant lambda tuned on dev
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -177,6 +178,13 @@ class CalibratorConfig:
             raise ValueError("init_lambda in (0, 1) and val_share in [0, 1) are required")
         if not 1 <= self.min_epochs <= self.max_epochs:
             raise ValueError("1 <= min_epochs <= max_epochs is required")
+
+
+def with_prior(cfg: CalibratorConfig, params: KnnParams) -> CalibratorConfig:
+    """Start at the tuned constant lambda: the calibrator learns where to deviate from it."""
+    if not cfg.init_from_constant:
+        return cfg
+    return replace(cfg, init_lambda=min(max(params.lmbda, 0.01), 0.99))
 
 
 def gate_config(**overrides: Any) -> CalibratorConfig:
@@ -490,9 +498,9 @@ def calibrate_stream(
     whose gate lambda is below theta.  ``save_dir``: each version is saved as
     ``save_dir/day-<n>/{calibrator,gate}``.
     """
-    cfg = cfg or CalibratorConfig()
+    cfg = with_prior(cfg or CalibratorConfig(), params)
     stream = StreamCalibrator(cfg)
-    gate_stream = StreamCalibrator(gate) if gate is not None else None
+    gate_stream = StreamCalibrator(with_prior(gate, params)) if gate is not None else None
     test_feats = split_features(test)
     knn_test = gold_knn_logprob(test, params)
     valid_test = has_neighbours(np.where(test["values"] >= 0, 0, -1))
@@ -624,8 +632,8 @@ class ServedCalibration:
         gate: CalibratorConfig | None = None,
     ) -> dict[str, Any]:
         """Add held-out tokens (EvalTokens-like arrays), retrain both models, save for version."""
-        cfg = cfg or CalibratorConfig()
-        gate = gate or gate_config()
+        cfg = with_prior(cfg or CalibratorConfig(), params)
+        gate = with_prior(gate or gate_config(), params)
         store = self.data_dir / "calibrator-train.npz"
         old: dict[str, np.ndarray] = {}
         if store.exists():

@@ -23,6 +23,7 @@ from memlm.calibrator import (
     mixture_nll,
     token_features,
     validation_mask,
+    with_prior,
 )
 from memlm.datastore import Datastore
 from memlm.index import IndexParams, MemoryIndex, build_index
@@ -116,6 +117,12 @@ def test_untrained_model_answers_init_lambda() -> None:
         for n, w in cal.widths.items()
     }
     np.testing.assert_allclose(cal.predict(feats), 0.3, rtol=1e-6)
+    assert with_prior(cfg, KnnParams(lmbda=0.05)).init_lambda == 0.05
+    assert with_prior(cfg, KnnParams(lmbda=0.0)).init_lambda == 0.01
+    assert (
+        with_prior(CalibratorConfig(init_from_constant=False), KnnParams(lmbda=0.05)).init_lambda
+        == 0.25
+    )
 
 
 def test_epochs_shrink_as_the_set_grows() -> None:
