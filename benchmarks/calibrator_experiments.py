@@ -80,7 +80,8 @@ BIBLE_CHAPTERS = (
     "rev21",
 )
 SEEDS = (0, 1, 2)
-THETAS = (0.0, 0.1, 0.2, 0.3, 0.5)
+# the 0..0.5, plus two on the scale of this slice's lambdas (tuned constant 0.05)
+THETAS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 
 
 # --- out-of-domain slices, cut at run time from installed / downloaded packages -----------
