@@ -36,8 +36,9 @@ class Settings(BaseSettings):
     # --- model and memory -----------------------------------------------------------------
     model: str = "smollm2-135m"
     policy: str = "monim"
-    # MoNIM threshold on log p(x_t); -1.5 is the paper's default (DESIGN.md).
-    delta: float = -1.5
+    # The policy's threshold; None takes the policy's own default (-1.5 for MoNIM as in
+    # DESIGN.md; MoNIM(KL) works on another scale and has its own).
+    delta: float | None = None
     randmem_rate: float = Field(default=0.3, ge=0.0, le=1.0)
     # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
     knn_k: int | None = Field(default=None, ge=1)

@@ -92,7 +92,7 @@ def create_app(
     *,
     engine: EngineLike | None = None,
     engine_factory: EngineFactory | None = None,
-    policy_factory: Callable[[str, float, dict[str, Any]], Any] | None = None,
+    policy_factory: Callable[[str, float | None, dict[str, Any]], Any] | None = None,
     run_worker: bool | None = None,
     poll: bool = True,
 ) -> FastAPI:

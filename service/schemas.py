@@ -188,7 +188,9 @@ class StatsResponse(BaseModel):
 
 class PolicyIn(Strict):
     policy: str = Field(examples=["monim"])
-    delta: float = Field(-1.5, le=0.0, examples=[-1.5])
+    delta: float | None = Field(
+        None, examples=[-1.5], description="threshold; null takes the policy's default"
+    )
     params: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("policy")
@@ -201,7 +203,7 @@ class PolicyIn(Strict):
 
 class PolicyOut(BaseModel):
     policy: str
-    delta: float
+    delta: float | None
     params: dict[str, Any]
     updated_at: dt.datetime | None = None
 

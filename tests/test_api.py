@@ -16,7 +16,7 @@ from tests.service_helpers import ADMIN, INGEST, doc, make_settings
 from workers.ingest import IngestWorker
 
 
-def by_name(name: str, delta: float, params: dict[str, Any]) -> str:
+def by_name(name: str, delta: float | None, params: dict[str, Any]) -> str:
     return name
 
 

@@ -112,6 +112,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert len(sc["tokens"]) == len(sc["logprobs"]) == len(sc["would_store"]) == n_tokens - 1
         assert sc["ppl"] < sc["lm_ppl"]  # the memory holds this very text
         assert sc["policy"] == "monim"
+        assert c.get("/admin/policy", headers=ADMIN).json()["delta"] is None  # MoNIM's -1.5
         short = c.post("/score", json={"text": "Hi"})
         assert short.status_code == 422 and short.json()["error"] == "invalid_input"
 

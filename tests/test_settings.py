@@ -19,7 +19,7 @@ def test_defaults_are_the_embedded_ones(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     s = make()
     assert s.env == "development" and s.model == "smollm2-135m" and s.policy == "monim"
-    assert s.delta == -1.5 and s.rebuild_cron == "0 3 * * *"
+    assert s.delta is None and s.rebuild_cron == "0 3 * * *"
     assert s.db_url == f"sqlite:///{tmp_path / 'memlm-data' / 'memlm.sqlite'}"
     assert s.ingest_token.get_secret_value() == DEFAULT_SECRET and s.uses_default_secret()
 

@@ -38,7 +38,7 @@ def _get(s: Session, doc_id: int) -> Document:
     return d
 
 
-def by_name(name: str, delta: float, params: dict[str, object]) -> str:
+def by_name(name: str, delta: float | None, params: dict[str, object]) -> str:
     return name
 
 

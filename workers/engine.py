@@ -79,7 +79,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     return engine
 
 
-def policy_factory(name: str, delta: float, params: dict[str, Any]) -> Any:
+def policy_factory(name: str, delta: float | None, params: dict[str, Any]) -> Any:
     """The engine's policy argument for the active policy row (name, delta, params)."""
     from memlm.engine import make_policy  # heavy import, only once the engine is used
 

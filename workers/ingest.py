@@ -96,7 +96,7 @@ class IngestWorker:
         settings: Settings,
         *,
         name: str | None = None,
-        policy_factory: Callable[[str, float, dict[str, Any]], Any] | None = None,
+        policy_factory: Callable[[str, float | None, dict[str, Any]], Any] | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions

@@ -131,7 +131,7 @@ class PolicySetting(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     policy: Mapped[str] = mapped_column(String(32))
-    delta: Mapped[float] = mapped_column(Float)
+    delta: Mapped[float | None] = mapped_column(Float)  # None: the policy's default
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     updated_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now()

@@ -330,7 +330,7 @@ class PolicyRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def get(self, *, default_policy: str, default_delta: float) -> PolicySetting:
+    def get(self, *, default_policy: str, default_delta: float | None) -> PolicySetting:
         row = self.s.get(PolicySetting, 1)
         if row is None:
             row = PolicySetting(id=1, policy=default_policy, delta=default_delta, params={})
@@ -338,7 +338,7 @@ class PolicyRepository:
             self.s.flush()
         return row
 
-    def set(self, policy: str, delta: float, params: dict[str, Any]) -> PolicySetting:
+    def set(self, policy: str, delta: float | None, params: dict[str, Any]) -> PolicySetting:
         row = self.s.get(PolicySetting, 1)
         if row is None:
             row = PolicySetting(id=1, policy=policy, delta=delta, params=params)

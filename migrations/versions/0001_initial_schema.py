@@ -88,7 +88,7 @@ def upgrade() -> None:
         "policy_settings",
         sa.Column("id", sa.Integer(), nullable=False),
         sa.Column("policy", sa.String(length=32), nullable=False),
-        sa.Column("delta", sa.Float(), nullable=False),
+        sa.Column("delta", sa.Float(), nullable=True),
         sa.Column("params", sa.JSON(), nullable=False),
         sa.Column(
             "updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
