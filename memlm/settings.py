@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)
     knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Retrieval gate: skip the search when the calibrator's lambda is below this (0: off).
+    gate_theta: float = Field(default=0.0, ge=0.0, le=1.0)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 

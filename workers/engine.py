@@ -74,6 +74,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         rate=settings.randmem_rate,
         threads=settings.threads,
         encoder=encoder,
+        gate_theta=settings.gate_theta,
         **extra,
     )
     return engine
