@@ -386,3 +386,32 @@ def test_unmigrated_database_refuses_to_start(tmp_path: Path) -> None:
 
 def test_vocab_is_what_the_fake_promises() -> None:
     assert len(VOCAB) == 6
+
+
+def test_the_fake_engine_keeps_the_real_engines_shape() -> None:
+    """The logic tests above stay meaningful only while the fake mirrors the facade."""
+    import dataclasses
+    import inspect
+
+    import memlm.engine as real
+    import tests.fakes as fake
+
+    for name in (
+        "process_document",
+        "predict",
+        "score",
+        "rebuild",
+        "reload_index",
+        "forget_document",
+        "truncate_datastore",
+        "stats",
+    ):
+        real_params = inspect.signature(getattr(real.Engine, name)).parameters
+        fake_params = inspect.signature(getattr(fake.FakeEngine, name)).parameters
+        assert set(fake_params) <= set(real_params), name
+    for cls in ("IngestResult", "Suggestion", "Neighbour", "Prediction", "ScoreResult"):
+        real_fields = {f.name for f in dataclasses.fields(getattr(real, cls))}
+        fake_fields = {f.name for f in dataclasses.fields(getattr(fake, cls))}
+        assert fake_fields <= real_fields, cls
+    real_stats = {"entries", "datastore_entries", "bytes_on_disk", "bytes_in_ram", "index_version"}
+    assert real_stats <= set(FakeEngine().stats())
