@@ -510,8 +510,8 @@ def _report(
             "entries": run.entries,
             "tokens_seen": run.tokens_seen,
             "lambda": params.lmbda,
-            "temperature": params.temperature,
-            "k": params.k,
+            "temperature": params.temperature if name != "bare" else None,
+            "k": params.k if name != "bare" else None,
             "test_tokens": int(test_lp.size),
             "dev_tokens": int(run.dev["target_lm_logprob"].size),
             "test_ppl_per_month": {
@@ -614,7 +614,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, r in report["results"].items():
         lines.append(
             f"| {name} | {r['test_ppl']:.2f} | {r['dev_ppl']:.2f} | {r['memrate']:.1%} | {r['entries']} "
-            f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature']:g} | {r['k']} |"
+            f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature'] or '-'} | {r['k'] or '-'} |"
         )
     months = sorted({m for r in report["results"].values() for m in r["test_ppl_per_month"]})
     if months:
