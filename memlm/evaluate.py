@@ -645,7 +645,9 @@ def _plots(report: dict[str, Any], out: Path) -> None:
         for name in names:
             rows = per_day[name]
             ax.plot(range(1, len(rows) + 1), [fn(r) for r in rows], marker="o", ms=3, label=name)
-        ax.set_xlabel("stream day")
+        days = [r["day"][5:] for r in per_day[names[0]]] if names else []
+        ax.set_xticks(range(1, len(days) + 1), days, rotation=45, fontsize=8)
+        ax.set_xlabel("stream day (MM-DD)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
