@@ -63,6 +63,7 @@ TAUS = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 LONG_SEGMENTS = [1, 2, 4, 8, 16]
 EXT_TEMPS = [0.5, 1.0, 2.0, 4.0]
 LAMBDAS = [0.05, 0.1, 0.2, 0.3, 0.5]
+TAU_EXT6 = [None, 1.0, 2.0, 4.0, 8.0]  # None: retrieved entries only in Eq. 8-9
 MONIM_DELTA = -1.5  # DESIGN.md's default threshold
 
 
@@ -150,19 +151,36 @@ def retrieve(
     return torch.cat(sc), torch.cat(vs)
 
 
-def ext_logprobs(
+def eq6_with_ext(
     o: SegmentOutputs,
     long_s: int | None,
     tau: float,
     seg_len: int,
     raw: torch.Tensor,
     vals: torch.Tensor,
-    ext_temp: float,
+    tau_ext: float | None,
+) -> torch.Tensor:
+    """Eq. 6 over local + long memory, plus the retrieved entries (Eq. 7) at tau_ext.
+
+    tau_ext None leaves the retrieved entries out of Eq. 6 (they then enter only
+    through Eq. 8-9); tuned on dev, since the retrieved similarities are distributed
+    differently from the in-batch ones the model was trained with (App. A).
+    """
+    if tau_ext is None:
+        return memory_logprobs(o, long_s, tau, seg_len)
+    return memory_logprobs(o, long_s, tau, seg_len, extra_scores=raw / tau_ext, extra_values=vals)
+
+
+def eq89(
+    o: SegmentOutputs,
+    p6: torch.Tensor,
+    raw: torch.Tensor,
+    vals: torch.Tensor,
+    et: float,
     lam: float,
 ) -> torch.Tensor:
-    """App. A: Eq. 6 over local + long + retrieved entries, then Eq. 8-9 with the retrieved."""
-    p6 = memory_logprobs(o, long_s, tau, seg_len, extra_scores=raw / tau, extra_values=vals)
-    p8, has = memory_gold_logprob(raw / ext_temp, vals, o.targets)
+    """Eq. 8 over the retrieved entries at temperature et, interpolated with p6 (Eq. 9)."""
+    p8, has = memory_gold_logprob(raw / et, vals, o.targets)
     return interpolate(p6, p8, lam, has)
 
 
@@ -205,18 +223,20 @@ def evaluate_model(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any
         ppl[f"ext({store_name})"] = perplexity(_ext_only(test, t_raw, t_val, et, lam))
         tuned[f"ext({store_name})"] = {"ext_temp": et, "lambda": lam}
         segs_, tau_ = best
-        et2, lam2 = min(
-            grid,
-            key=lambda g: perplexity(
-                ext_logprobs(dev, segs_, tau_, s.seg_len, d_raw, d_val, g[0], g[1])
-            ),
-        )
+        scored = []
+        for tau_ext in TAU_EXT6:
+            p6 = eq6_with_ext(dev, segs_, tau_, s.seg_len, d_raw, d_val, tau_ext)
+            for et, lam in itertools.product(EXT_TEMPS, [0.0, *LAMBDAS]):
+                scored.append((perplexity(eq89(dev, p6, d_raw, d_val, et, lam)), tau_ext, et, lam))
+        _, tau_ext, et2, lam2 = min(scored, key=lambda r: r[0])
+        p6_test = eq6_with_ext(test, segs_, tau_, s.seg_len, t_raw, t_val, tau_ext)
         ppl[f"local+long+ext({store_name})"] = perplexity(
-            ext_logprobs(test, segs_, tau_, s.seg_len, t_raw, t_val, et2, lam2)
+            eq89(test, p6_test, t_raw, t_val, et2, lam2)
         )
         tuned[f"local+long+ext({store_name})"] = {
             "segments": segs_,
             "tau": tau_,
+            "tau_ext_in_eq6": tau_ext,
             "ext_temp": et2,
             "lambda": lam2,
         }
