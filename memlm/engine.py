@@ -94,13 +94,17 @@ class Engine:
         policy: Policy | None = None,
         window: WindowConfig | None = None,
         gate_theta: float = 0.0,
+        readonly: bool = False,
     ):
         self.data_dir = Path(data_dir)
+        self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.encoder = encoder
         self.knn = knn or KnnParams()
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
-        self.datastore = Datastore.open(self.data_dir / "datastore", dim=encoder.dim)
+        self.datastore = Datastore.open(
+            self.data_dir / "datastore", dim=None if readonly else encoder.dim, readonly=readonly
+        )
         self.index = MemoryIndex(self.datastore, self.data_dir / "index")
         self._write_lock = threading.Lock()  # one appender (datastore is single-writer)
         self._build_lock = threading.Lock()
@@ -123,11 +127,20 @@ class Engine:
         encoder: Encoder | None = None,
         window: WindowConfig | None = None,
         gate_theta: float = 0.0,
+        readonly: bool = False,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
         enc = encoder or Encoder.load(model, threads=threads)
         pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
-        return cls(Path(data_dir), enc, knn=knn, policy=pol, window=window, gate_theta=gate_theta)
+        return cls(
+            Path(data_dir),
+            enc,
+            knn=knn,
+            policy=pol,
+            window=window,
+            gate_theta=gate_theta,
+            readonly=readonly,
+        )
 
     def _set_key_ce(self, policy: Policy) -> None:
         if policy.needs_key_ce:
@@ -195,6 +208,7 @@ class Engine:
         crash_at: str | None = None,
     ) -> IngestResult:
         """Encode, score against the memory served now, apply the policy, append durably."""
+        self._check_writer()
         pol = self._policy(policy)
         token_ids, out = self._encode(text)
         if pol.needs_augmented:
@@ -328,6 +342,7 @@ class Engine:
         self, *, crash_at: str | None = None, params: IndexParams | None = None
     ) -> BuildInfo:
         """Build a new index version from the live entries and serve it."""
+        self._check_writer()
         with self._build_lock:
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
@@ -365,6 +380,14 @@ class Engine:
         self.calibration.load_for(self.data_dir / "index", version)
         return report
 
+    def sync(self) -> int:
+        """Follow the writer: make entries another process appended searchable (read-only)."""
+        return self.index.refresh() if self.readonly else 0
+
+    def _check_writer(self) -> None:
+        if self.readonly:
+            raise RuntimeError("this engine opened the memory read-only; the worker writes")
+
     def reload_index(self) -> bool:
         """Serve the newest built version (and its calibrator) if another process built one."""
         changed = self.index.reload()
@@ -373,11 +396,13 @@ class Engine:
 
     def forget_document(self, doc_id: int) -> int:
         """Hide every entry of a document from search and from later builds."""
+        self._check_writer()
         with self._write_lock:
             return self.datastore.delete_document(doc_id)
 
     def truncate_datastore(self, n: int) -> None:
         """Roll back entries with ids >= n (their documents were never committed)."""
+        self._check_writer()
         with self._write_lock:
             self.datastore.truncate(n)
             self.index.refresh()

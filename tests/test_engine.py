@@ -88,3 +88,18 @@ def test_bad_input(engine):
         engine.score("a")
     with pytest.raises(EngineInputError):
         engine.predict("")
+
+
+def test_readonly_engine_follows_the_writer(tmp_path, encoder):
+    knn = KnnParams(k=8, temperature=1.0, lmbda=0.5)
+    writer = Engine.open(tmp_path / "data", encoder=encoder, knn=knn)
+    reader = Engine.open(tmp_path / "data", encoder=encoder, knn=knn, readonly=True)
+    r = writer.process_document(4, TEXT, 19000, policy="fullmem")
+    assert reader.stats()["entries"] == 0
+    assert reader.sync() == r.tokens_stored
+    assert reader.stats()["entries"] == r.tokens_stored
+    assert reader.predict("The harbour authority in Port", neighbours=1).neighbours[0].doc_id == 4
+    with pytest.raises(RuntimeError, match="read-only"):
+        reader.process_document(5, TEXT, 19000)
+    writer.rebuild()
+    assert reader.reload_index() and reader.stats()["index_version"] == 1
