@@ -194,8 +194,10 @@ def plot_attention(results: dict[str, dict[str, object]], path: Path) -> None:
             att = results.get(f"{arch}-{w}", {}).get("test_attention")
             if att:
                 assert isinstance(att, list)
-                ax.plot(range(-w, 0), att, marker="o", label=LABEL[arch])
+                style = {"attention": "-", "kv": "--", "kvp": ":"}[arch]
+                ax.plot(range(-w, 0), att, style, marker="o", label=LABEL[arch])
         ax.set_title(f"window L = {w}")
+        ax.set_xticks(range(-w, 0, max(1, w // 5)))
         ax.set_xlabel("position relative to the predicting step (-1 = previous)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("mean attention weight (test)")
