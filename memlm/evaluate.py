@@ -304,11 +304,11 @@ def run_policy(
                 index.refresh()
             day_stored += int(mask.sum())
         if policy is not None and len(ds) > 0:
-            params = IndexParams.for_size(ds.num_live, ds.dim)
-            if index_kind == "flat":
-                params = IndexParams(
-                    kind="flat", nlist=1, m=1, nprobe=1, train_size=0, rerank_factor=1
-                )
+            params = (
+                IndexParams.exact()
+                if index_kind == "flat"
+                else IndexParams.for_size(ds.num_live, ds.dim)
+            )
             build_index(ds, workdir / "index", params, progress=False)
             index.reload()
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
