@@ -225,6 +225,7 @@ def knn_eval(args: argparse.Namespace) -> int:
         index_kind="flat",
         max_eval_docs_per_day=args.eval_docs_per_day,
         days=args.knn_days,
+        delta=args.knn_delta,
         seed=args.seed,
     )
     report = evaluate(cfg, docs, args.knn_out, encoder=enc)
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-docs-per-day", type=int, default=2, help="--knn-eval: dev/test docs a day"
     )
     p.add_argument("--knn-days", type=int, default=None, help="--knn-eval: first N days only")
+    p.add_argument("--knn-delta", type=float, default=-1.5, help="--knn-eval: MoNIM threshold")
     args = p.parse_args(argv)
     set_threads(args.threads)
     if args.knn_eval is not None:
