@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from memlm.train.data import load_encoded_splits
+from memlm.train.data import bptt_batches, load_encoded_splits
 from memlm.train.lstm_models import (
     ShortSpanConfig,
     ShortSpanLM,
@@ -239,6 +239,54 @@ def knn_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def diagnose(args: argparse.Namespace) -> int:
+    """Why attention stays flat: gradient norms at init and after training, value statistics.
+
+    On the 4th window of the dev split (64 x 20): gradient norms of the attention
+    parameters for a freshly initialised model and for the checkpoint, the spread of the
+    attention weights across tokens, and the mean and spread of the key/value/predict parts.
+    """
+    from memlm.train.lstm_train import load_checkpoint, masked_loss
+
+    trained, _ = load_checkpoint(args.diagnose)
+    cfg = trained.cfg
+    data = load_encoded_splits(vocab_size=cfg.vocab_size)
+    batch = list(bptt_batches(data.dev, 64, 20))[3]
+    torch.manual_seed(args.seed)
+    for label, model in (("init", ShortSpanLM(cfg)), ("trained", trained)):
+        model.train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.zero_grad()
+        out = model(batch.x, batch.reset)
+        masked_loss(out.logits, batch.y, batch.mask).backward()
+        names = ("w_att", "w_y.weight", "w_h.weight", "w_r.weight", "proj.weight")
+        grads = {
+            n: f"{p.grad.norm().item():.2g}"
+            for n, p in model.named_parameters()
+            if n in names and p.grad is not None
+        }
+        print(f"{label}: gradient norms {grads}")
+        if out.attention is not None:
+            full = batch.mask & (out.pos >= cfg.window)
+            att = out.attention[full].detach()
+            print(
+                f"  attention mean per slot {[round(x, 4) for x in att.mean(0).tolist()]}, "
+                f"max std over tokens {att.std(0).max().item():.4f}"
+            )
+        with torch.no_grad():
+            H = cfg.hidden
+            hs, _, _ = model._lstm(batch.x, batch.reset, torch.zeros(64, H), torch.zeros(64, H))
+            parts = dict(zip(("key", "value", "predict"), model._split(hs), strict=True))
+        keep = batch.mask
+        stats = {
+            n: f"mean|x| {t[keep].abs().mean().item():.2f} std {t[keep].std(0).mean().item():.2f}"
+            for n, t in parts.items()
+        }
+        print(f"  LSTM output parts: {stats}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=800, help="training windows per model")
@@ -259,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--knn-days", type=int, default=None, help="--knn-eval: first N days only")
     p.add_argument("--knn-delta", type=float, default=-1.5, help="--knn-eval: MoNIM threshold")
+    p.add_argument("--diagnose", type=Path, default=None, help="checkpoint: attention diagnostics")
     args = p.parse_args(argv)
     set_threads(args.threads)
+    if args.diagnose is not None:
+        return diagnose(args)
     if args.knn_eval is not None:
         return knn_eval(args)
     print(
