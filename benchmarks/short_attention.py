@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from memlm.train.data import bptt_batches, load_encoded_splits
@@ -230,6 +231,14 @@ def knn_eval(args: argparse.Namespace) -> int:
     )
     report = evaluate(cfg, docs, args.knn_out, encoder=enc)
     print(render_markdown(report))
+    from memlm.evaluate import TokenCache
+
+    outs = TokenCache(enc, cfg.window).get_many([d.text for d in docs])  # cached by evaluate
+    lp = np.concatenate([o.target_logprob for o in outs])
+    print(
+        f"bare LM over the {lp.size} tokens: max log p(gold) {lp.max():.2f}; "
+        f"share with log p(gold) < delta {args.knn_delta}: {(lp < args.knn_delta).mean():.3f}"
+    )
     for name, r in report["results"].items():
         print(
             f"{name:8s} MemRate {r['memrate']:6.1%}  entries {r['entries']:7d}  dev ppl "
