@@ -12,7 +12,9 @@ from service.schemas import Health
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="The process is up")
+@router.get(
+    "/healthz", response_model=Health, response_model_exclude_none=True, summary="The process is up"
+)
 def healthz() -> Health:
     return Health(status="ok")
 
