@@ -165,6 +165,8 @@ class EvalTokens:
     top_logprob: list[np.ndarray] = field(default_factory=list)  # (n,) max log p_LM
     entropy: list[np.ndarray] = field(default_factory=list)  # (n,) entropy of p_LM
     lexical: list[np.ndarray] = field(default_factory=list)  # (n, 2) LexicalStats.features
+    # TRIME Eq. 6 log p(gold) with local/long-term memory, one column per tau (optional)
+    trime: list[np.ndarray] = field(default_factory=list)  # (n, len(taus)) float64
 
     def add(
         self,
@@ -174,6 +176,7 @@ class EvalTokens:
         day: int,
         doc: int,
         lexical: np.ndarray,
+        trime: np.ndarray | None = None,
     ) -> None:
         self.target_lm_logprob.append(o.target_logprob.astype(np.float64))
         self.distances.append(dist)
@@ -184,6 +187,8 @@ class EvalTokens:
         self.top_logprob.append(o.top_logprob)
         self.entropy.append(o.entropy)
         self.lexical.append(lexical)
+        if trime is not None:
+            self.trime.append(trime)
 
     def arrays(self, k_max: int) -> dict[str, np.ndarray]:
         if not self.target_lm_logprob:
@@ -197,8 +202,13 @@ class EvalTokens:
                 "top_logprob": np.zeros(0, np.float32),
                 "entropy": np.zeros(0, np.float32),
                 "lexical": np.zeros((0, 2), np.float32),
+                "trime": np.zeros((0, 0)),
             }
-        return {f.name: np.concatenate(getattr(self, f.name)) for f in fields(self)}
+        out = {
+            f.name: np.concatenate(getattr(self, f.name)) for f in fields(self) if f.name != "trime"
+        }
+        out["trime"] = np.concatenate(self.trime) if self.trime else np.zeros((0, 0))
+        return out
 
 
 @dataclass
@@ -253,6 +263,32 @@ def score_tokens(
     return TokenScores(aug.target_logprob, aug.max_logprob, o.key_ce)
 
 
+@dataclass(frozen=True)
+class TrimeSpec:
+    """TRIME local (and long-term) memory inside the LM's softmax (TRIME Eq. 5/6)."""
+
+    long_segments: int = 0  # earlier windows of the same document; 0: local memory only
+    # SmolLM2 key similarities are ~2-3.5 against logit log-sum-exps of 12-31, so the
+    # grid reaches small tau (docs/trime.md)
+    taus: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+    def columns(self, o: TokenOutputs, window: WindowConfig) -> np.ndarray:
+        from memlm.trime_memory import cached_doc_logprobs
+
+        if len(o) == 0:
+            return np.zeros((0, len(self.taus)))
+        return cached_doc_logprobs(
+            o.keys,
+            o.targets,
+            o.target_logprob,
+            o.lse,
+            o.positions,
+            window.windows(int(o.positions[-1]) + 1),
+            long_tokens=self.long_segments * window.context,
+            taus=self.taus,
+        )
+
+
 def run_policy(
     policy: Policy | None,
     plans: Sequence[DayPlan],
@@ -263,6 +299,7 @@ def run_policy(
     k_max: int,
     index_kind: str = "auto",
     on_day: Callable[[DayStats], None] | None = None,
+    trime: TrimeSpec | None = None,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens."""
     name = policy.name if policy is not None else "bare"
@@ -315,7 +352,8 @@ def run_policy(
             target = dev if split == "dev" else test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
                 dist, vals = _search_values(index, ds, o.keys, k_max)
-                target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens))
+                cols = None if trime is None else trime.columns(o, cache.window)
+                target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         seen += day_seen
         stored += day_stored
         stats = DayStats(
@@ -401,6 +439,7 @@ class EvalConfig:
     keep_stores: bool = False
     lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
     gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
+    trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 
 
 def evaluate(
@@ -468,6 +507,7 @@ def evaluate(
             ingest_params=cfg.ingest,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
+            trime=cfg.trime,
         )
         runs[name] = run
         echo(
@@ -494,6 +534,7 @@ def _report(
     per_day: dict[str, list[dict[str, Any]]] = {}
     test_months = np.array([plans_day_month(d) for d in runs["bare"].test["day"]])
     for name, run in runs.items():
+        tau = _apply_trime(run, cfg) if cfg.trime is not None else None
         if name == "bare":
             params, dev_ppl = KnnParams(lmbda=0.0), ppl(run.dev["target_lm_logprob"])
             test_lp = run.test["target_lm_logprob"]
@@ -512,6 +553,7 @@ def _report(
             "lambda": params.lmbda,
             "temperature": params.temperature if name != "bare" else None,
             "k": params.k if name != "bare" else None,
+            "tau": tau,
             "test_tokens": int(test_lp.size),
             "dev_tokens": int(run.dev["target_lm_logprob"].size),
             "test_ppl_per_month": {
@@ -561,6 +603,7 @@ def _report(
             "index_kind": cfg.index_kind,
             "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to test",
             "lambda_mode": cfg.lambda_mode,
+            "trime": None if cfg.trime is None else asdict(cfg.trime),
             "gate_theta": cfg.gate_theta if cfg.lambda_mode == "calibrated" else None,
             "seconds": round(seconds, 1),
             "encoded_tokens_this_run": cache.encoded_tokens,
@@ -568,6 +611,25 @@ def _report(
         "results": results,
         "per_day": per_day,
     }
+
+
+def _apply_trime(run: PolicyRun, cfg: EvalConfig) -> float:
+    """Pick tau on dev and make its TRIME column the "LM" log-probability of both splits.
+
+    The external memory is then interpolated with that distribution (TRIME App. A).
+    """
+    assert cfg.trime is not None
+    best: tuple[float, int] | None = None
+    for c in range(len(cfg.trime.taus)):
+        dev = {**run.dev, "target_lm_logprob": run.dev["trime"][:, c]}
+        p = tune(dev, cfg.grid)[1] if run.name != "bare" else ppl(dev["target_lm_logprob"])
+        if best is None or p < best[0]:
+            best = (p, c)
+    assert best is not None
+    c = best[1]
+    run.dev["target_lm_logprob"] = run.dev["trime"][:, c]
+    run.test["target_lm_logprob"] = run.test["trime"][:, c]
+    return cfg.trime.taus[c]
 
 
 def _calibrated_test(
@@ -616,6 +678,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['test_ppl']:.2f} | {r['dev_ppl']:.2f} | {r['memrate']:.1%} | {r['entries']} "
             f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature'] or '-'} | {r['k'] or '-'} |"
         )
+    if s.get("trime"):
+        t = s["trime"]
+        memory = "local" + (
+            f" + {t['long_segments']} earlier windows" if t["long_segments"] else ""
+        )
+        taus = ", ".join(f"{n} {r['tau']:g}" for n, r in report["results"].items())
+        lines += ["", f"TRIME memory in the LM's softmax: {memory}; tau tuned on dev: {taus}."]
     months = sorted({m for r in report["results"].values() for m in r["test_ppl_per_month"]})
     if months:
         lines += ["", "Test perplexity per month:", "", "| policy | " + " | ".join(months) + " |"]

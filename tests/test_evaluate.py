@@ -19,7 +19,23 @@ from memlm.evaluate import (
 from memlm.knnlm import KnnParams
 from memlm.policy import FullMem, RandMem
 
-WORDS = ["the", "council", "voted", "on", "the", "new", "budget", "for", "schools", "and", "roads", "in", "the", "city", "today"]
+WORDS = [
+    "the",
+    "council",
+    "voted",
+    "on",
+    "the",
+    "new",
+    "budget",
+    "for",
+    "schools",
+    "and",
+    "roads",
+    "in",
+    "the",
+    "city",
+    "today",
+]
 
 
 def _stream(days=3, per_day=6, seed=0):
@@ -139,3 +155,37 @@ def test_evaluate_writes_report(tmp_path, enc, monkeypatch):
     for f in ("report.md", "memrate.png", "memory_growth.png", "perplexity.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
     assert "| fullmem |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_trime_local_memory_is_tuned_on_dev(tmp_path, enc, monkeypatch):
+    from memlm.evaluate import TrimeSpec
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    # repetitive documents: earlier tokens of the same window predict later ones
+    docs = [
+        Document(f"d{d}-{i}", "alpha beta gamma delta " * 12, dt.date(2021, 1, 1 + d), "s")
+        for d in range(2)
+        for i in range(4)
+    ]
+    cfg = EvalConfig(
+        window=WindowConfig(context=32, stride=16),
+        policies=("fullmem",),
+        dev_share=0.25,
+        test_share=0.25,
+        k_max=8,
+        grid=TuneGrid(ks=(8,), temperatures=(1.0,), lambdas=(0.1,)),
+        trime=TrimeSpec(long_segments=1, taus=(0.05, 1.0, 50.0)),
+    )
+    plain = evaluate(
+        EvalConfig(**{**cfg.__dict__, "trime": None}), docs, tmp_path / "a", encoder=enc, echo=str
+    )
+    report = evaluate(cfg, docs, tmp_path / "b", encoder=enc, echo=str)
+    assert report["settings"]["trime"] == {"long_segments": 1, "taus": (0.05, 1.0, 50.0)}
+    bare = report["results"]["bare"]
+    assert bare["tau"] in (0.05, 1.0, 50.0)
+    # the random tiny LM knows nothing; copying from earlier tokens of the input helps a lot
+    assert bare["test_ppl"] < plain["results"]["bare"]["test_ppl"] / 2
+    assert (
+        "TRIME memory in the LM's softmax: local + 1 earlier windows"
+        in (tmp_path / "b" / "report.md").read_text()
+    )

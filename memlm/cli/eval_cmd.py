@@ -34,6 +34,12 @@ def eval_command(
     seed: int = typer.Option(0),
     threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
     keep_stores: bool = typer.Option(False, help="keep each policy's datastore and index"),
+    local_memory: bool = typer.Option(
+        False, help="TRIME local memory: earlier tokens of the window join the softmax"
+    ),
+    long_memory: int = typer.Option(
+        0, metavar="SEGMENTS", help="TRIME long-term memory: that many earlier windows too"
+    ),
     lambda_mode: str = typer.Option(
         "constant",
         help="constant (tuned on dev) or calibrated (NN calibrator trained day by day on dev)",
@@ -48,7 +54,7 @@ def eval_command(
 
     from memlm.corpus import load_corpus
     from memlm.encoder import WindowConfig
-    from memlm.evaluate import EvalConfig, evaluate
+    from memlm.evaluate import EvalConfig, TrimeSpec, evaluate
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
@@ -76,6 +82,7 @@ def eval_command(
         index_kind=index_kind,
         threads=threads,
         keep_stores=keep_stores,
+        trime=TrimeSpec(long_segments=long_memory) if local_memory or long_memory else None,
         lambda_mode=lambda_mode,
         gate_theta=gate_theta,
     )
