@@ -479,6 +479,11 @@ def training_set(
     )
 
 
+def _rows(split: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of every per-token array (arrays of another length, e.g. unused ones, go)."""
+    return {k: v[mask] for k, v in split.items() if len(v) == len(mask)}
+
+
 def calibrate_stream(
     dev: dict[str, np.ndarray],
     test: dict[str, np.ndarray],
@@ -510,7 +515,7 @@ def calibrate_stream(
     for day in days:
         on_day = dev["day"] == day
         if on_day.any():
-            part = {k: v[on_day] for k, v in dev.items()}
+            part = _rows(dev, on_day)
             stream.add_day(training_set(part, params, cfg.features), day)
             if gate_stream is not None:
                 gate_stream.add_day(training_set(part, params, gate_stream.cfg.features), day)
@@ -654,9 +659,7 @@ class ServedCalibration:
             stream = StreamCalibrator(c)
             prev = self._previous(Path(index_root), name, version)
             for day in sorted(set(both["day"].tolist())):
-                part = training_set(
-                    {k: v[both["day"] == day] for k, v in both.items()}, params, c.features
-                )
+                part = training_set(_rows(both, both["day"] == day), params, c.features)
                 if prev is not None and day not in new_days:
                     stream.add_history(part, int(day))
                     continue

@@ -192,6 +192,7 @@ def test_learns_lambda_from_the_memory(memory: str, low: float, high: float) -> 
 
 def test_learns_per_token_lambda_from_density() -> None:
     dev = synthetic_split(3000, 0, "mixed")
+    dev["trime"] = np.zeros((0, 3))  # an unused per-token array of the harness is ignored
     test = synthetic_split(1000, 1, "mixed")
     res = calibrate_stream(dev, test, PARAMS, FAST)
     assert res.lambdas[:500].min() > 0.9 and res.lambdas[500:].max() < 0.1
