@@ -1,12 +1,15 @@
 # The two commands of the README: `make run` and `make test`.
 PY ?= python3
 
-.PHONY: install run test lint eval-slice bench
+.PHONY: install run test lint eval-quick eval-slice bench
 
 install:
 	bash scripts/install.sh
 
 run: install
+	$(PY) -m memlm.cli up --demo
+
+eval-quick:
 	$(PY) -m memlm.cli eval --start 2017-02-13 --days 2 --max-docs-per-day 5 --out runs/quick
 
 test: install
