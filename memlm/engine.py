@@ -236,71 +236,89 @@ class Engine:
         return IngestResult(len(out), n, first, end)
 
     @torch.inference_mode()
-    def _last_position(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        window = ids[-self.window.context :]
-        batch = torch.tensor([window], dtype=torch.long)
-        keys, hidden = self.encoder._forward(batch, torch.ones_like(batch))
-        return keys[0, -1:].float().numpy(), hidden[0, -1:].float().numpy()
+    def _last_positions(self, id_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Keys (B, d) and head inputs (B, h) at the last token of each context, one forward."""
+        windows = [ids[-self.window.context :] for ids in id_lists]
+        lengths = torch.tensor([len(w) for w in windows])
+        batch = torch.zeros((len(windows), int(lengths.max())), dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for r, w in enumerate(windows):  # right padding: the causal mask keeps rows exact
+            batch[r, : len(w)] = torch.tensor(w, dtype=torch.long)
+            mask[r, : len(w)] = 1
+        keys, hidden = self.encoder._forward(batch, mask)  # (B, T, d), (B, T, h)
+        rows, last = torch.arange(len(windows)), lengths - 1
+        return keys[rows, last].float().numpy(), hidden[rows, last].float().numpy()
 
     def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
         """Top-N next tokens under (1 - lambda) p_LM + lambda p_kNN, with neighbours."""
-        ids = self.encoder.tokenize(context)
-        if not ids:
+        return self.predict_batch([context], top_n=top_n, neighbours=neighbours)[0]
+
+    def predict_batch(
+        self, contexts: list[str], *, top_n: int = 10, neighbours: int = 0
+    ) -> list[Prediction]:
+        """``predict`` for several contexts: one LM forward and one search for all of them."""
+        id_lists = [self.encoder.tokenize(c) for c in contexts]
+        if any(not ids for ids in id_lists):
             raise EngineInputError("the context is empty after tokenisation")
-        key, hidden = self._last_position(ids)
-        logp = self.encoder.full_logprobs(hidden)[0]  # (V,)
+        keys, hidden = self._last_positions(id_lists)
+        logp = self.encoder.full_logprobs(hidden)  # (B, V)
         lm = np.exp(logp)
-        top, ent, prev = logp.max(keepdims=True), -(lm * logp).sum(keepdims=True), ids[-1:]
-        search = bool(self.calibration.gate_mask(top, ent, np.asarray(prev))[0])
+        top, ent = logp.max(axis=1), -(lm * logp).sum(axis=1)
+        prev = np.array([ids[-1] for ids in id_lists])
+        search = self.calibration.gate_mask(top, ent, prev).astype(bool)  # (B,)
         k = max(self.knn.k, neighbours)
-        if search or neighbours:
-            dist, eids, vals = self._search(key, k)
-        else:  # the retrieval gate: the memory would add little, the LM answer stands
-            dist, eids, vals = self._search(key[:0], k)  # (0, k) arrays of the right dtypes
-            dist, eids, vals = (
-                np.full((1, k), pad, a.dtype) for a, pad in ((dist, np.inf), (eids, -1), (vals, -1))
+        # the retrieval gate: rows it skips keep the LM answer (and only look up neighbours
+        # when the caller asked for them)
+        looked_up = search | (neighbours > 0)
+        dist = np.full((len(contexts), k), np.inf, np.float32)
+        eids = np.full((len(contexts), k), -1, np.int64)
+        vals = np.full((len(contexts), k), -1, np.int32)
+        if looked_up.any():
+            dist[looked_up], eids[looked_up], vals[looked_up] = self._search(keys[looked_up], k)
+        kk = self.knn.k
+        cal = self.calibration.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
+        out = []
+        for r, ids in enumerate(id_lists):
+            knn = np.zeros_like(lm[r])
+            valid = bool(search[r]) and bool(has_neighbours(eids[r : r + 1, :kk])[0])
+            if valid:
+                d, v = dist[r, :kk], vals[r, :kk]
+                ok = v >= 0
+                w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
+                np.add.at(knn, v[ok], w / w.sum())
+            lam = 0.0
+            if valid:
+                lam = float(cal[r]) if cal is not None else self.knn.lmbda
+            mix = (1 - lam) * lm[r] + lam * knn
+            best = np.argsort(-mix)[:top_n]
+            strings = self.encoder.token_strings(best.tolist())
+            sugg = [
+                Suggestion(s, int(t), float(mix[t]), float(lm[r, t]), float(knn[t]))
+                for s, t in zip(strings, best, strict=True)
+            ]
+            out.append(
+                Prediction(
+                    sugg, lam, self._neighbours(eids[r], vals[r], dist[r], neighbours), len(ids)
+                )
             )
-        knn = np.zeros_like(lm)
-        valid = search and bool(has_neighbours(eids[:, : self.knn.k])[0])
-        if valid:
-            d, v = dist[0, : self.knn.k], vals[0, : self.knn.k]
-            ok = v >= 0
-            w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
-            np.add.at(knn, v[ok], w / w.sum())
-        lam = self.knn.lmbda if valid else 0.0
-        cal = self.calibration.calibrated(
-            top, ent, np.asarray(prev), dist[:, : self.knn.k], vals[:, : self.knn.k]
-        )
-        if valid and cal is not None:
-            lam = float(cal[0])
-        mix = (1 - lam) * lm + lam * knn
-        top = np.argsort(-mix)[:top_n]
-        strings = self.encoder.token_strings(top.tolist())
-        sugg = [
-            Suggestion(s, int(t), float(mix[t]), float(lm[t]), float(knn[t]))
-            for s, t in zip(strings, top, strict=True)
+        return out
+
+    def _neighbours(
+        self, eids: np.ndarray, vals: np.ndarray, dist: np.ndarray, n: int
+    ) -> list[Neighbour]:
+        """Provenance of the first n neighbours of one query."""
+        sel = eids[:n]
+        sel = sel[sel >= 0]
+        if not n or not len(sel):
+            return []
+        docs, pos, days = self.datastore.provenance(sel)
+        toks = self.encoder.token_strings(vals[: len(sel)].tolist())
+        return [
+            Neighbour(int(e), int(dd), int(p), tok, int(v), float(di), int(dy))
+            for e, dd, p, tok, v, di, dy in zip(
+                sel, docs, pos, toks, vals[: len(sel)], dist[: len(sel)], days, strict=True
+            )
         ]
-        nbrs: list[Neighbour] = []
-        if neighbours:
-            sel = eids[0, :neighbours]
-            sel = sel[sel >= 0]
-            if len(sel):
-                docs, pos, days = self.datastore.provenance(sel)
-                toks = self.encoder.token_strings(vals[0, : len(sel)].tolist())
-                nbrs = [
-                    Neighbour(int(e), int(dd), int(p), tok, int(v), float(di), int(dy))
-                    for e, dd, p, tok, v, di, dy in zip(
-                        sel,
-                        docs,
-                        pos,
-                        toks,
-                        vals[0, : len(sel)],
-                        dist[0, : len(sel)],
-                        days,
-                        strict=True,
-                    )
-                ]
-        return Prediction(sugg, float(lam), nbrs, len(ids))
 
     def score(self, text: str, *, policy: Policy | str | None = None) -> ScoreResult:
         """Per-token log-probabilities under the LM and the augmented model."""

@@ -103,3 +103,16 @@ def test_readonly_engine_follows_the_writer(tmp_path, encoder):
         reader.process_document(5, TEXT, 19000)
     writer.rebuild()
     assert reader.reload_index() and reader.stats()["index_version"] == 1
+
+
+def test_predict_batch_equals_single_predicts(engine):
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    contexts = ["The harbour authority in Port", "A new ferry", "Monday"]
+    batch = engine.predict_batch(contexts, top_n=4, neighbours=2)
+    for ctx, b in zip(contexts, batch, strict=True):
+        one = engine.predict(ctx, top_n=4, neighbours=2)
+        assert [s.token_id for s in b.suggestions] == [s.token_id for s in one.suggestions]
+        for x, y in zip(b.suggestions, one.suggestions, strict=True):
+            assert x.prob == pytest.approx(y.prob, rel=1e-4, abs=1e-7)
+        assert [n.entry_id for n in b.neighbours] == [n.entry_id for n in one.neighbours]
+        assert b.lam == one.lam and b.context_tokens == one.context_tokens
