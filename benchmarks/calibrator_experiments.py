@@ -182,7 +182,7 @@ def bible_docs(root: Path, encoder: Encoder, tokens: int, day: dt.date) -> list[
 
 
 def _rows(split: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
-    return {k: v[keep] for k, v in split.items()}
+    return {k: v[keep] for k, v in split.items() if len(v) == len(keep)}
 
 
 def _calibrated(
