@@ -377,6 +377,7 @@ class Engine:
         The calibrator and the gate are saved beside the served index version; processes
         serving that version pick them up on their next ``reload_index``.
         """
+        self._check_writer()
         version = self.index.version
         if version is None:
             raise EngineInputError("build an index before training the calibrator")
