@@ -311,16 +311,20 @@ class Encoder:
         for s in range(0, hidden.shape[0], chunk):
             h, k, y = hidden[s : s + chunk], keys[s : s + chunk], targets[s : s + chunk]
             logits = self._logits(h)  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)
+            gold = logits.gather(1, y[:, None]).squeeze(1)
             top_logit, top = logits.max(dim=-1)
-            p = torch.softmax(logits, dim=-1)
-            # entropy = lse - sum_y p(y) logit(y); the bmm avoids a (c, V) temporary
-            dot = torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+            # Few passes over the (c, V) block: shift in place, one exp, one sum, one bmm.
+            logits.sub_(top_logit[:, None])
+            e = torch.exp(logits)
+            z = e.sum(-1)
+            lse = top_logit + torch.log(z)
+            # entropy = log z - sum_y p(y) (logit(y) - max); the bmm avoids a temporary
+            dot = torch.bmm(e.unsqueeze(1), logits.unsqueeze(2)).view(-1) / z
             out["lse"].append(lse)
-            out["tlp"].append(logits.gather(1, y[:, None]).squeeze(1) - lse)
+            out["tlp"].append(gold - lse)
             out["top"].append(top)
             out["toplp"].append(top_logit - lse)
-            out["ent"].append(lse - dot)
+            out["ent"].append(torch.log(z) - dot)
             if self.compute_key_ce and k.shape[1] == self.hidden_dim:
                 kl = self._logits(k)
                 out["kce"].append(torch.logsumexp(kl, -1) - kl.gather(1, y[:, None]).squeeze(1))
