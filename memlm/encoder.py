@@ -203,7 +203,8 @@ def _tiny_model(name: str, vocab_size: int, seed: int = 0) -> Any:
     return LlamaForCausalLM(cfg_l)
 
 
-def _find_last_mlp(model: Any) -> nn.Module:
+def last_mlp(model: Any) -> nn.Module:
+    """The last decoder layer's MLP: its input is the kNN key (DESIGN.md)."""
     base = model.base_model
     for attr in ("layers", "h"):  # Llama family / GPT-2 family
         layers = getattr(base, attr, None)
@@ -232,7 +233,7 @@ class Encoder:
         self.head_bias = None if head.bias is None else head.bias.detach()
         self.vocab_size = int(self.head_weight.shape[0])
         self.hidden_dim = int(self.head_weight.shape[1])
-        self._mlp = _find_last_mlp(model)
+        self._mlp = last_mlp(model)
         cfg = model.config
         self.dim = int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
         self.max_positions = int(

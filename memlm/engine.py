@@ -22,8 +22,8 @@ from memlm.calibrator import ServedCalibration
 from memlm.datastore import Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Encoder, TokenOutputs, WindowConfig
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
-from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
-from memlm.policy import Policy, TokenScores, make_policy
+from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+from memlm.policy import Policy, TokenScores, make_policy, token_scores
 
 __all__ = ["Engine", "make_policy"]
 
@@ -155,40 +155,13 @@ class Engine:
 
     # --- memory lookups --------------------------------------------------------------------
 
-    def _search(self, keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(distances, entry ids, values) of the k nearest live entries; -1 pads."""
-        n = len(keys)
-        if n == 0 or self.index.num_entries == 0:
-            return (
-                np.full((n, k), np.inf, np.float32),
-                np.full((n, k), -1, np.int64),
-                np.full((n, k), -1, np.int32),
-            )
-        dist, ids = self.index.search(keys.astype(np.float32), k)
-        vals = np.full(ids.shape, -1, np.int32)
-        ok = ids >= 0
-        vals[ok] = self.datastore.values(ids[ok])
-        return dist, ids, vals
-
     def _scores(
         self, out: TokenOutputs, policy: Policy
     ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Policy scores, the augmented log p(gold) (constant lambda) and the search."""
-        dist, ids, vals = self._search(out.keys, self.knn.k)
-        value_lm = self.encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
-        aug = augmented_scores(
-            out.target_logprob,
-            out.top_logprob,
-            out.top_id,
-            out.targets,
-            dist,
-            ids,
-            vals,
-            value_lm,
-            self.knn,
-        )
-        scores = TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce)
-        return scores, aug.target_logprob, (dist, ids, vals)
+        dist, ids, vals = self.index.search_values(out.keys, self.knn.k)
+        scores = token_scores(self.encoder, out, dist, vals, self.knn)
+        return scores, scores.target_logprob, (dist, ids, vals)
 
     def _encode(self, text: str) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
@@ -274,7 +247,9 @@ class Engine:
         eids = np.full((len(contexts), k), -1, np.int64)
         vals = np.full((len(contexts), k), -1, np.int32)
         if looked_up.any():
-            dist[looked_up], eids[looked_up], vals[looked_up] = self._search(keys[looked_up], k)
+            dist[looked_up], eids[looked_up], vals[looked_up] = self.index.search_values(
+                keys[looked_up], k
+            )
         kk = self.knn.k
         cal = self.calibration.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
         out = []
@@ -383,8 +358,8 @@ class Engine:
             raise EngineInputError("build an index before training the calibrator")
         outs = [self._encode(t)[1] for t in texts]
         o = TokenOutputs.concat(outs)
-        dist, _, vals = self._search(o.keys, max(self.knn.k, 10))
-        split = {
+        dist, _, vals = self.index.search_values(o.keys, max(self.knn.k, 10))
+        split: dict[str, np.ndarray] = {
             "target_lm_logprob": o.target_logprob.astype(np.float64),
             "distances": dist,
             "values": vals,

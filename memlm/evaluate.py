@@ -29,9 +29,16 @@ from memlm.corpus import Document, by_day
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
-from memlm.knnlm import KnnParams, augmented_scores, has_neighbours, interpolate, knn_logprob
+from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
 from memlm.lexical import LexicalStats
-from memlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA, Policy, TokenScores, make_policy
+from memlm.policy import (
+    DEFAULT_DELTA,
+    DEFAULT_KL_DELTA,
+    Policy,
+    TokenScores,
+    make_policy,
+    token_scores,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,34 +242,6 @@ class PolicyRun:
         return self.tokens_stored / self.tokens_seen if self.tokens_seen else 0.0
 
 
-def _search_values(
-    index: MemoryIndex, ds: Datastore, keys: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    if len(keys) == 0 or index.num_entries == 0:
-        return np.full((len(keys), k), np.inf, np.float32), np.full((len(keys), k), -1, np.int32)
-    dist, ids = index.search(keys, k)
-    vals = np.full(ids.shape, -1, np.int32)
-    ok = ids >= 0
-    vals[ok] = ds.values(ids[ok])
-    return dist, vals
-
-
-def score_tokens(
-    encoder: Encoder,
-    o: TokenOutputs,
-    dist: np.ndarray,
-    vals: np.ndarray,
-    params: KnnParams,
-) -> TokenScores:
-    """The augmented-model scores of one document's tokens for the policies."""
-    ids = np.where(vals >= 0, 0, -1)
-    value_lm = encoder.logprobs_for(o.hidden, o.lse, np.maximum(vals, 0))
-    aug = augmented_scores(
-        o.target_logprob, o.top_logprob, o.top_id, o.targets, dist, ids, vals, value_lm, params
-    )
-    return TokenScores(aug.target_logprob, aug.max_logprob, o.key_ce)
-
-
 @dataclass(frozen=True)
 class TrimeSpec:
     """TRIME local (and long-term) memory inside the LM's softmax (TRIME Eq. 5/6)."""
@@ -324,8 +303,8 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, vals = _search_values(index, ds, o.keys, ingest_params.k)
-                scores = score_tokens(cache.encoder, o, dist, vals, ingest_params)
+                dist, _, vals = index.search_values(o.keys, ingest_params.k)
+                scores = token_scores(cache.encoder, o, dist, vals, ingest_params)
             else:
                 nan = np.full(n, np.nan)
                 scores = TokenScores(nan, nan, o.key_ce)
@@ -351,7 +330,7 @@ def run_policy(
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
             target = dev if split == "dev" else test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
-                dist, vals = _search_values(index, ds, o.keys, k_max)
+                dist, _, vals = index.search_values(o.keys, k_max)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         seen += day_seen

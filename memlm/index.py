@@ -606,6 +606,27 @@ class MemoryIndex:
         out_d[:, :w], out_i[:, :w] = dist[:, :w], ids[:, :w]
         return out_d, out_i
 
+    def search_values(
+        self, queries: npt.ArrayLike, k: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """:meth:`search` plus each neighbour's value (next token); -1 pads ids and values.
+
+        An empty memory or no query gives padded (inf, -1, -1) arrays without searching.
+        """
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        n = len(q)
+        if n == 0 or self.num_entries == 0:
+            return (
+                np.full((n, k), np.inf, np.float32),
+                np.full((n, k), -1, np.int64),
+                np.full((n, k), -1, np.int32),
+            )
+        dist, ids = self.search(q, k)
+        vals = np.full(ids.shape, -1, np.int32)
+        ok = ids >= 0
+        vals[ok] = self.datastore.values(ids[ok])
+        return dist, ids, vals
+
     def _search_once(
         self, st: _State, q: npt.NDArray[np.float32], k: int, rerank: bool | None
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:

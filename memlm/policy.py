@@ -18,9 +18,14 @@ Each policy maps per-token scores to a boolean "store" mask:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from memlm.knnlm import KnnParams, augmented_scores
+
+if TYPE_CHECKING:
+    from memlm.encoder import Encoder, TokenOutputs
 
 DEFAULT_DELTA = -1.5
 # The key is the last MLP's input: projected through E it gives a flat distribution, so
@@ -113,6 +118,29 @@ class MoNIMKL:
         if np.isnan(scores.key_ce).any():
             raise ValueError("MoNIM(KL) needs key_ce: set Encoder.compute_key_ce = True")
         return -scores.key_ce < self.delta
+
+
+def token_scores(
+    encoder: Encoder, out: TokenOutputs, dist: np.ndarray, vals: np.ndarray, params: KnnParams
+) -> TokenScores:
+    """The augmented-model scores of one document's tokens against its neighbours.
+
+    dist, vals: (n, k) search results with -1 values as padding (MemoryIndex.search_values).
+    """
+    ids = np.where(vals >= 0, 0, -1)  # only validity matters to the kNN distribution
+    value_lm = encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
+    aug = augmented_scores(
+        out.target_logprob,
+        out.top_logprob,
+        out.top_id,
+        out.targets,
+        dist,
+        ids,
+        vals,
+        value_lm,
+        params,
+    )
+    return TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce)
 
 
 POLICY_NAMES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlm.encoder import last_mlp
 from memlm.train.bm25_batching import bm25_neighbours, greedy_chain, random_batches
 from memlm.train.data import EncodedCorpus, document_segments
 from memlm.train.trime import MemoryKind, lm_token_loss, memory_mask, trime_token_loss
@@ -100,18 +101,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight.numel()  # type: ignore[operator]
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
-
-
-def last_mlp(model: nn.Module) -> nn.Module:
-    """The last decoder layer's MLP: its input is the memory key g(c) (DESIGN.md)."""
-    base = model.base_model
-    for attr in ("layers", "h"):  # Llama family / GPT-2 family
-        layers = getattr(base, attr, None)
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            mlp = getattr(layers[-1], "mlp", None)
-            if isinstance(mlp, nn.Module):
-                return mlp
-    raise ValueError(f"cannot find the last decoder layer's MLP in {type(model).__name__}")
 
 
 @contextmanager
