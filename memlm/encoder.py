@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import logging
 import math
@@ -82,6 +83,15 @@ class WindowConfig:
             if end == n:
                 break
         return out
+
+
+@dataclass
+class Decoding:
+    """A batch of contexts being extended one token at a time (Encoder.start / extend)."""
+
+    cache: Any  # transformers DynamicCache: attention keys and values of every row
+    mask: torch.Tensor  # (R, T) 1 where a real token sits (contexts are right-padded)
+    lengths: torch.Tensor  # (R,) real tokens so far, the position id of the next token
 
 
 @dataclass
@@ -276,6 +286,13 @@ class Encoder:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([int(i)]) for i in ids]
 
+    @functools.cached_property
+    def continues_word(self) -> np.ndarray:
+        """(V,) bool: tokens that glue onto the token before them (memlm.words)."""
+        from memlm.words import continuation_mask
+
+        return continuation_mask(self.token_strings(range(self.vocab_size)))
+
     def char_offsets(self, text: str) -> list[tuple[int, int]]:
         """Character span of every token of ``tokenize(text)``."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -285,9 +302,18 @@ class Encoder:
 
     @torch.inference_mode()
     def _forward(
-        self, batch: torch.Tensor, mask: torch.Tensor
+        self,
+        batch: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        cache: Any = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) ids -> keys (B, T, d) and head inputs (B, T, h)."""
+        """(B, T) ids -> keys (B, T, d) and head inputs (B, T, h).
+
+        With ``cache`` (a transformers ``DynamicCache``) the attention keys and values are
+        appended to it, and ``mask`` covers the cached positions too (B, past + T).
+        """
         captured: list[torch.Tensor] = []
 
         def hook(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -295,10 +321,59 @@ class Encoder:
 
         handle = self._mlp.register_forward_pre_hook(hook)
         try:
-            out = self.model.base_model(input_ids=batch, attention_mask=mask, use_cache=False)
+            out = self.model.base_model(
+                input_ids=batch,
+                attention_mask=mask,
+                past_key_values=cache,
+                position_ids=positions,
+                use_cache=cache is not None,
+            )
         finally:
             handle.remove()
         return captured[0], out.last_hidden_state
+
+    @torch.inference_mode()
+    def start(
+        self, contexts: Sequence[Sequence[int]], *, cache: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, Decoding | None]:
+        """One right-padded forward of several contexts: keys (B, T, d), head inputs (B, T, h).
+
+        Row r is exact up to its length (the causal mask keeps padding out of real
+        positions). With ``cache`` it also returns the state that :meth:`extend` continues.
+        """
+        from transformers import DynamicCache
+
+        lengths = torch.tensor([len(c) for c in contexts])
+        if int(lengths.min()) < 1:
+            raise EncoderError("every context needs at least one token")
+        batch = torch.zeros((len(contexts), int(lengths.max())), dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for r, c in enumerate(contexts):
+            batch[r, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+            mask[r, : len(c)] = 1
+        kv = DynamicCache() if cache else None
+        keys, hidden = self._forward(batch, mask, cache=kv)
+        return keys, hidden, Decoding(kv, mask, lengths.clone()) if cache else None
+
+    @torch.inference_mode()
+    def extend(
+        self, state: Decoding, parents: np.ndarray, tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one token to rows of a decoding: row j continues row ``parents[j]``.
+
+        Returns the keys (R, d) and head inputs (R, h) at the new tokens; ``state`` now
+        holds R rows (rows may be dropped or repeated, as a beam search needs).
+        """
+        assert parents.shape == tokens.shape and parents.ndim == 1
+        idx = torch.from_numpy(np.asarray(parents, np.int64))
+        state.cache.reorder_cache(idx)
+        # the new token sits after the padded slots of its row, at its real position
+        mask = torch.cat([state.mask[idx], torch.ones((len(idx), 1), dtype=torch.long)], 1)
+        positions = state.lengths[idx]
+        ids = torch.from_numpy(np.asarray(tokens, np.int64)).view(-1, 1)
+        keys, hidden = self._forward(ids, mask, cache=state.cache, positions=positions.view(-1, 1))
+        state.mask, state.lengths = mask, positions + 1
+        return keys[:, -1], hidden[:, -1]
 
     @torch.inference_mode()
     def _stats(
@@ -311,7 +386,7 @@ class Encoder:
         chunk = 128  # a (128, V) float32 block (25 MB) keeps the elementwise passes cheap
         for s in range(0, hidden.shape[0], chunk):
             h, k, y = hidden[s : s + chunk], keys[s : s + chunk], targets[s : s + chunk]
-            logits = self._logits(h)  # (c, V)
+            logits = self.logits(h)  # (c, V)
             gold = logits.gather(1, y[:, None]).squeeze(1)
             top_logit, top = logits.max(dim=-1)
             # Few passes over the (c, V) block: shift in place, one exp, one sum, one bmm.
@@ -327,13 +402,14 @@ class Encoder:
             out["toplp"].append(top_logit - lse)
             out["ent"].append(torch.log(z) - dot)
             if self.compute_key_ce and k.shape[1] == self.hidden_dim:
-                kl = self._logits(k)
+                kl = self.logits(k)
                 out["kce"].append(torch.logsumexp(kl, -1) - kl.gather(1, y[:, None]).squeeze(1))
             else:
                 out["kce"].append(torch.full_like(lse, float("nan")))
         return {k: torch.cat(v) for k, v in out.items()}
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Raw LM logits (n, V) of head inputs (n, h)."""
         logits = h @ self.head_weight.T
         return logits if self.head_bias is None else logits + self.head_bias
 
@@ -452,7 +528,7 @@ class Encoder:
     @torch.inference_mode()
     def full_logprobs(self, hidden: np.ndarray) -> np.ndarray:
         """(n, V) log p_LM for each row of head inputs."""
-        logits = self._logits(torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)))
+        logits = self.logits(torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)))
         return torch.log_softmax(logits, dim=-1).numpy()
 
     def flops_per_token(self, context: int) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,18 @@ import torch
 
 from memlm.calibrator import ServedCalibration
 from memlm.datastore import Datastore, SimulatedCrash
-from memlm.encoder import BUNDLED_MODEL, Encoder, TokenOutputs, WindowConfig
+from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
-from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
+from memlm.trime_memory import (
+    cached_doc_logprobs,
+    scaled_dot_scores,
+    trime_log_probs,
+)
+from memlm.words import Distributions, WordConfig, WordSuggestion, complete_words
 
-__all__ = ["Engine", "make_policy"]
+__all__ = ["Engine", "MemoryOptions", "make_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class Suggestion:
     prob: float
     lm_prob: float
     knn_prob: float
+    trime_prob: float | None = None  # LM + local / long-term memory (TRIME Eq. 6), if asked
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,21 @@ class Prediction:
     lam: float
     neighbours: list[Neighbour]
     context_tokens: int = 0
+    words: list[WordSuggestion] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _NextToken:
+    """Next-token distributions of R rows, each (R, V), and the search behind them."""
+
+    prob: np.ndarray  # (1 - lambda) * base + lambda * knn, base = trime if given else lm
+    lm: np.ndarray
+    knn: np.ndarray
+    trime: np.ndarray | None
+    lam: np.ndarray  # (R,) 0 where the gate skipped the search or nothing was found
+    dist: np.ndarray  # (R, k)
+    eids: np.ndarray
+    vals: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,8 @@ class ScoreResult:
     lm_ppl: float
     ppl: float
     would_store: list[bool]
+    trime_logprobs: list[float] | None = None  # LM + local / long-term memory, if asked
+    trime_ppl: float | None = None
 
 
 class Engine:
@@ -102,6 +126,7 @@ class Engine:
         self.knn = knn or KnnParams()
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
+        self.words = WordConfig()
         self.datastore = Datastore.open(
             self.data_dir / "datastore", dim=None if readonly else encoder.dim, readonly=readonly
         )
@@ -157,11 +182,10 @@ class Engine:
 
     def _scores(
         self, out: TokenOutputs, policy: Policy
-    ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Policy scores, the augmented log p(gold) (constant lambda) and the search."""
+    ) -> tuple[TokenScores, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The policy's scores (constant lambda) and the search behind them."""
         dist, ids, vals = self.index.search_values(out.keys, self.knn.k)
-        scores = token_scores(self.encoder, out, dist, vals, self.knn)
-        return scores, scores.target_logprob, (dist, ids, vals)
+        return token_scores(self.encoder, out, dist, vals, self.knn), (dist, ids, vals)
 
     def _encode(self, text: str) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
@@ -185,7 +209,7 @@ class Engine:
         pol = self._policy(policy)
         token_ids, out = self._encode(text)
         if pol.needs_augmented:
-            scores, _, _ = self._scores(out, pol)
+            scores, _ = self._scores(out, pol)
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
@@ -208,75 +232,206 @@ class Engine:
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         return IngestResult(len(out), n, first, end)
 
-    @torch.inference_mode()
-    def _last_positions(self, id_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (B, d) and head inputs (B, h) at the last token of each context, one forward."""
-        windows = [ids[-self.window.context :] for ids in id_lists]
-        lengths = torch.tensor([len(w) for w in windows])
-        batch = torch.zeros((len(windows), int(lengths.max())), dtype=torch.long)
-        mask = torch.zeros_like(batch)
-        for r, w in enumerate(windows):  # right padding: the causal mask keeps rows exact
-            batch[r, : len(w)] = torch.tensor(w, dtype=torch.long)
-            mask[r, : len(w)] = 1
-        keys, hidden = self.encoder._forward(batch, mask)  # (B, T, d), (B, T, h)
-        rows, last = torch.arange(len(windows)), lengths - 1
-        return keys[rows, last].float().numpy(), hidden[rows, last].float().numpy()
-
-    def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
+    def predict(
+        self,
+        context: str,
+        *,
+        top_n: int = 10,
+        neighbours: int = 0,
+        words: int = 0,
+        memory: MemoryOptions | None = None,
+    ) -> Prediction:
         """Top-N next tokens under (1 - lambda) p_LM + lambda p_kNN, with neighbours."""
-        return self.predict_batch([context], top_n=top_n, neighbours=neighbours)[0]
+        return self.predict_batch(
+            [context], top_n=top_n, neighbours=neighbours, words=words, memory=memory
+        )[0]
 
+    @torch.inference_mode()
     def predict_batch(
-        self, contexts: list[str], *, top_n: int = 10, neighbours: int = 0
+        self,
+        contexts: list[str],
+        *,
+        top_n: int = 10,
+        neighbours: int = 0,
+        words: int = 0,
+        memory: MemoryOptions | None = None,
     ) -> list[Prediction]:
-        """``predict`` for several contexts: one LM forward and one search for all of them."""
+        """``predict`` for several contexts: one LM forward and one search for all of them.
+
+        ``words`` > 0 adds that many whole-word suggestions (memlm.words), continuing the
+        same forward's attention cache; ``memory`` adds TRIME local / long-term memory
+        (earlier tokens of the context) to the LM softmax before the datastore's share.
+        """
         id_lists = [self.encoder.tokenize(c) for c in contexts]
         if any(not ids for ids in id_lists):
             raise EngineInputError("the context is empty after tokenisation")
-        keys, hidden = self._last_positions(id_lists)
-        logp = self.encoder.full_logprobs(hidden)  # (B, V)
+        trime = memory if memory is not None and memory.active else None
+        # the window, less room for the word search's extra positions if the model is short
+        span = min(self.window.context, self.encoder.max_positions - self.words.max_tokens)
+        windows = [ids[-span:] for ids in id_lists]
+        keys_all, hidden_all, decoding = self.encoder.start(windows, cache=words > 0)
+        rows, last = torch.arange(len(windows)), torch.tensor([len(w) - 1 for w in windows])
+        keys, hidden = keys_all[rows, last], hidden_all[rows, last]  # (B, d), (B, h)
+        mems = None
+        if trime is not None:
+            mems = [
+                self._context_memory(ids, keys_all[r, : len(w) - 1], w, trime)
+                for r, (ids, w) in enumerate(zip(id_lists, windows, strict=True))
+            ]
+        prev = np.array([w[-1] for w in windows])
+        nxt = self._next_token(
+            keys,
+            hidden,
+            prev,
+            k=max(self.knn.k, neighbours),
+            lookup=neighbours > 0,
+            mems=mems,
+            tau=trime.tau if trime else 1.0,
+        )
+        word_lists: list[list[WordSuggestion]] = [[] for _ in contexts]
+        if words:
+            assert decoding is not None
+            word_lists = self._complete_words(nxt, decoding, keys, mems, trime, words)
+        out = []
+        for r, ids in enumerate(id_lists):
+            best = np.argsort(-nxt.prob[r])[:top_n]
+            strings = self.encoder.token_strings(best.tolist())
+            sugg = [
+                Suggestion(
+                    s,
+                    int(t),
+                    float(nxt.prob[r, t]),
+                    float(nxt.lm[r, t]),
+                    float(nxt.knn[r, t]),
+                    None if nxt.trime is None else float(nxt.trime[r, t]),
+                )
+                for s, t in zip(strings, best, strict=True)
+            ]
+            found = self._neighbours(nxt.eids[r], nxt.vals[r], nxt.dist[r], neighbours)
+            out.append(Prediction(sugg, float(nxt.lam[r]), found, len(ids), word_lists[r]))
+        return out
+
+    def _next_token(
+        self,
+        keys: torch.Tensor,
+        hidden: torch.Tensor,
+        prev: np.ndarray,
+        *,
+        k: int,
+        lookup: bool = False,
+        mems: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tau: float = 1.0,
+    ) -> _NextToken:
+        """Next-token distributions of R rows from their keys (R, d) and head inputs (R, h).
+
+        The retrieval gate may skip a row's search (it then keeps the LM answer); ``lookup``
+        searches every row anyway, for the neighbours the caller asked for.
+        """
+        logits = self.encoder.logits(hidden)  # (R, V)
+        logp = torch.log_softmax(logits, dim=-1).numpy()
         lm = np.exp(logp)
         top, ent = logp.max(axis=1), -(lm * logp).sum(axis=1)
-        prev = np.array([ids[-1] for ids in id_lists])
-        search = self.calibration.gate_mask(top, ent, prev).astype(bool)  # (B,)
-        k = max(self.knn.k, neighbours)
-        # the retrieval gate: rows it skips keep the LM answer (and only look up neighbours
-        # when the caller asked for them)
-        looked_up = search | (neighbours > 0)
-        dist = np.full((len(contexts), k), np.inf, np.float32)
-        eids = np.full((len(contexts), k), -1, np.int64)
-        vals = np.full((len(contexts), k), -1, np.int32)
+        search = self.calibration.gate_mask(top, ent, prev).astype(bool)  # (R,)
+        looked_up = search | lookup
+        n = len(prev)
+        dist = np.full((n, k), np.inf, np.float32)
+        eids = np.full((n, k), -1, np.int64)
+        vals = np.full((n, k), -1, np.int32)
         if looked_up.any():
             dist[looked_up], eids[looked_up], vals[looked_up] = self.index.search_values(
-                keys[looked_up], k
+                keys[looked_up].float().numpy(), k
             )
         kk = self.knn.k
         cal = self.calibration.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
-        out = []
-        for r, ids in enumerate(id_lists):
-            knn = np.zeros_like(lm[r])
-            valid = bool(search[r]) and bool(has_neighbours(eids[r : r + 1, :kk])[0])
-            if valid:
-                d, v = dist[r, :kk], vals[r, :kk]
-                ok = v >= 0
-                w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
-                np.add.at(knn, v[ok], w / w.sum())
-            lam = 0.0
-            if valid:
-                lam = float(cal[r]) if cal is not None else self.knn.lmbda
-            mix = (1 - lam) * lm[r] + lam * knn
-            best = np.argsort(-mix)[:top_n]
-            strings = self.encoder.token_strings(best.tolist())
-            sugg = [
-                Suggestion(s, int(t), float(mix[t]), float(lm[r, t]), float(knn[t]))
-                for s, t in zip(strings, best, strict=True)
-            ]
-            out.append(
-                Prediction(
-                    sugg, lam, self._neighbours(eids[r], vals[r], dist[r], neighbours), len(ids)
-                )
+        valid = search & has_neighbours(eids[:, :kk])
+        lam = np.where(valid, cal if cal is not None else self.knn.lmbda, 0.0)
+        knn = np.zeros_like(lm)
+        for r in np.flatnonzero(valid):
+            d, v = dist[r, :kk], vals[r, :kk]
+            ok = v >= 0
+            w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
+            np.add.at(knn[r], v[ok], w / w.sum())
+        trime = None
+        if mems is not None:  # TRIME Eq. 6: the memory joins the LM softmax
+            trime = np.concatenate(
+                [
+                    trime_log_probs(
+                        logits[r : r + 1], scaled_dot_scores(keys[r : r + 1], mk, tau), mv
+                    )
+                    .exp()
+                    .numpy()
+                    for r, (mk, mv) in enumerate(mems)
+                ]
             )
-        return out
+        base = lm if trime is None else trime
+        prob = (1 - lam)[:, None] * base + lam[:, None] * knn
+        return _NextToken(prob, lm, knn, trime, lam, dist, eids, vals)
+
+    def _context_memory(
+        self, ids: list[int], window_keys: torch.Tensor, window: list[int], memory: MemoryOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """TRIME memory of a context's next token: keys (M, d) and next tokens (M,).
+
+        Local: every earlier position of the window (key of ``window[:j+1]`` -> the token
+        after it). Long-term: the ``long_segments`` windows' worth of positions before it,
+        keyed as the encoder keys documents (each by the window that scores it).
+        """
+        keys = window_keys  # (L - 1, d)
+        values = torch.tensor(window[1:], dtype=torch.long)
+        begin = len(ids) - len(window)  # document position of the window's first token
+        if memory.long_segments and begin > 0:
+            out = self.encoder.encode_ids(ids[: begin + 1], self.window)  # targets 1..begin
+            keep = out.positions >= begin + 1 - memory.long_segments * self.window.context
+            keys = torch.cat([torch.from_numpy(out.keys[keep]), keys])
+            values = torch.cat([torch.from_numpy(out.targets[keep]), values])
+        return keys, values
+
+    def _complete_words(
+        self,
+        first: _NextToken,
+        decoding: Decoding,
+        keys: torch.Tensor,
+        mems: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        memory: MemoryOptions | None,
+        n: int,
+    ) -> list[list[WordSuggestion]]:
+        """Whole words after each context: a beam search that extends the attention cache."""
+        # Per row: the context it continues, its query key, and (TRIME) the entries its
+        # own generated tokens added to the local memory.
+        row_ctx = np.arange(len(first.prob))
+        row_keys = keys
+        row_new: list[list[tuple[torch.Tensor, int]]] = [[] for _ in row_ctx]
+
+        def step(parents: np.ndarray, tokens: np.ndarray) -> Distributions:
+            nonlocal row_ctx, row_keys, row_new
+            new = [
+                row_new[p] + [(row_keys[p], int(t))] for p, t in zip(parents, tokens, strict=True)
+            ]
+            ctx = row_ctx[parents]
+            k, h = self.encoder.extend(decoding, parents, tokens)
+            rows_mem = None
+            if mems is not None:
+                rows_mem = [
+                    (
+                        torch.cat([mems[c][0], torch.stack([e[0] for e in extra])]),
+                        torch.cat([mems[c][1], torch.tensor([e[1] for e in extra])]),
+                    )
+                    for c, extra in zip(ctx, new, strict=True)
+                ]
+            d = self._next_token(
+                k, h, tokens, k=self.knn.k, mems=rows_mem, tau=memory.tau if memory else 1.0
+            )
+            row_ctx, row_keys, row_new = ctx, k, new
+            return Distributions(d.prob, d.lm, d.knn)
+
+        return complete_words(
+            Distributions(first.prob, first.lm, first.knn),
+            step,
+            self.encoder.continues_word,
+            self.encoder.tokenizer.decode,
+            n,
+            self.words,
+        )
 
     def _neighbours(
         self, eids: np.ndarray, vals: np.ndarray, dist: np.ndarray, n: int
@@ -295,18 +450,44 @@ class Engine:
             )
         ]
 
-    def score(self, text: str, *, policy: Policy | str | None = None) -> ScoreResult:
-        """Per-token log-probabilities under the LM and the augmented model."""
+    def score(
+        self,
+        text: str,
+        *,
+        policy: Policy | str | None = None,
+        memory: MemoryOptions | None = None,
+    ) -> ScoreResult:
+        """Per-token log-probabilities under the LM and the augmented model.
+
+        With ``memory`` the text's own earlier tokens join the LM softmax first (TRIME
+        Eq. 6, over the same windows the encoder scores); the datastore is interpolated
+        on top of that (App. A, Eq. 9).
+        """
         pol = self._policy(policy)
-        _, out = self._encode(text)
-        scores, aug, (dist, ids, vals) = self._scores(out, pol)
+        ids, out = self._encode(text)
+        scores, (dist, eids, vals) = self._scores(out, pol)
+        base = out.target_logprob.astype(np.float64)
+        trime = None
+        if memory is not None and memory.active:
+            trime = cached_doc_logprobs(
+                out.keys,
+                out.targets,
+                out.target_logprob,
+                out.lse,
+                out.positions,
+                self.window.windows(len(ids)),
+                long_tokens=memory.long_segments * self.window.context,
+                taus=[memory.tau],
+            )[:, 0]
+            base = trime
+        # lambda per token from the calibrator, else the constant; tokens the gate skips
+        # (or with no neighbour) keep the base distribution
         cal = self.calibration.calibrated(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
-        if cal is not None:  # per-token lambda; the gate's skipped tokens keep the LM
-            valid = has_neighbours(ids) & self.calibration.gate_mask(
-                out.top_logprob, out.entropy, out.prev_tokens
-            )
-            knn = knn_logprob(dist, ids, vals, out.targets[:, None], self.knn.temperature)
-            aug = interpolate(out.target_logprob, knn[:, 0], cal, valid)
+        valid = has_neighbours(eids) & self.calibration.gate_mask(
+            out.top_logprob, out.entropy, out.prev_tokens
+        )
+        knn = knn_logprob(dist, eids, vals, out.targets[:, None], self.knn.temperature)[:, 0]
+        aug = interpolate(base, knn, self.knn.lmbda if cal is None else cal, valid)
         if not pol.needs_augmented and pol.needs_key_ce:
             scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
         store = pol.decide(scores)
@@ -318,6 +499,8 @@ class Engine:
             lm_ppl=math.exp(-float(lm.mean())),
             ppl=math.exp(-float(np.mean(aug))),
             would_store=store.astype(bool).tolist(),
+            trime_logprobs=None if trime is None else trime.tolist(),
+            trime_ppl=None if trime is None else math.exp(-float(trime.mean())),
         )
 
     def char_span(self, text: str, position: int) -> tuple[int, int]:

@@ -4,6 +4,8 @@ p_kNN(y) is proportional to the sum of exp(-d_i / T) over the retrieved neighbou
 value is y (d_i squared L2, as FAISS returns it), and
 p(y) = (1 - lambda) p_LM(y) + lambda p_kNN(y).
 Rows without any neighbour (an empty memory) fall back to the plain LM.
+TRIME's local / long-term memory (memlm.trime_memory) is chosen per request with
+:class:`MemoryOptions`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,28 @@ class KnnParams:
             raise ValueError("temperature must be > 0")
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError("lambda must be in [0, 1]")
+
+
+# tau of the service's local / long-term memory when a request names none: the value
+# `memlm eval --local-memory` tuned on dev for SmolLM2-135M on the news slice (docs/trime.md)
+DEFAULT_TAU = 2.0
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """TRIME memory of one request: local (same input) and long-term (earlier segments)."""
+
+    local: bool = False
+    long_segments: int = 0  # earlier windows of the same text; implies local memory
+    tau: float = DEFAULT_TAU
+
+    def __post_init__(self) -> None:
+        if self.long_segments < 0 or self.tau <= 0:
+            raise ValueError("long_segments must be >= 0 and tau > 0")
+
+    @property
+    def active(self) -> bool:
+        return self.local or self.long_segments > 0
 
 
 def neighbour_log_weights(distances: np.ndarray, ids: np.ndarray, temperature: float) -> np.ndarray:

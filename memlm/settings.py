@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from memlm.knnlm import DEFAULT_TAU
+
 # The development default for both tokens; refused when ``env`` is not "development".
 DEFAULT_SECRET = "change-me"
 
@@ -46,6 +48,9 @@ class Settings(BaseSettings):
     knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
     # Retrieval gate: skip the search when the calibrator's lambda is below this (0: off).
     gate_theta: float = Field(default=0.0, ge=0.0, le=1.0)
+    # tau of TRIME local / long-term memory for requests that ask for it and name none
+    # (the value `memlm eval --local-memory` tuned on dev for SmolLM2, docs/trime.md).
+    trime_tau: float = Field(default=DEFAULT_TAU, gt=0)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memlm.settings import POLICIES
 
@@ -100,10 +100,43 @@ class DocumentOut(BaseModel):
 # --- predict and score -------------------------------------------------------------------
 
 
-class PredictRequest(Strict):
+class MemoryOptionsIn(Strict):
+    """TRIME local / long-term memory (TRIME Eq. 6): the input's own earlier tokens."""
+
+    local_memory: bool = Field(
+        False, description="earlier tokens of the same window join the LM softmax (Eq. 6)"
+    )
+    long_memory: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="earlier windows of the same text that join it too (implies local memory)",
+    )
+    tau: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="temperature of the memory's similarities; null: the server's default",
+    )
+
+    @model_validator(mode="after")
+    def _tau_needs_memory(self) -> MemoryOptionsIn:
+        if self.tau is not None and not (self.local_memory or self.long_memory):
+            raise ValueError("tau applies only with local_memory or long_memory")
+        return self
+
+
+class PredictRequest(MemoryOptionsIn):
     context: str = Field(min_length=1, examples=["The prime minister said on Tuesday that"])
     top_n: int = Field(10, ge=1, le=100)
     neighbours: int = Field(0, ge=0, le=100, description="how many neighbours to return")
+    words: int = Field(
+        0,
+        ge=0,
+        le=50,
+        description="how many whole-word suggestions to return (a short beam search "
+        "over the next tokens; 0: none)",
+    )
 
 
 class Suggestion(BaseModel):
@@ -112,6 +145,17 @@ class Suggestion(BaseModel):
     prob: float = Field(description="interpolated probability")
     lm_prob: float = Field(description="probability under the bare LM")
     knn_prob: float = Field(description="probability under the memory (kNN)")
+    trime_prob: float | None = Field(
+        None, description="under the LM with local / long-term memory, when asked for"
+    )
+
+
+class WordSuggestionOut(BaseModel):
+    word: str = Field(description="the word as it would be appended (leading space included)")
+    tokens: list[str] = Field(description="its most probable tokenisation")
+    prob: float = Field(description="interpolated probability of the whole word")
+    lm_prob: float = Field(description="under the bare LM")
+    knn_prob: float = Field(description="under the memory (kNN) alone")
 
 
 class NeighbourOut(BaseModel):
@@ -130,12 +174,22 @@ class PredictResponse(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     suggestions: list[Suggestion]
+    words: list[WordSuggestionOut] = Field(
+        default_factory=list, description="whole-word suggestions (empty unless asked for)"
+    )
     lambda_: float = Field(alias="lambda", serialization_alias="lambda")
     neighbours: list[NeighbourOut]
+    memory: MemoryOut | None = None
     index_version: int | str | None = None
 
 
-class ScoreRequest(Strict):
+class MemoryOut(BaseModel):
+    local_memory: bool
+    long_memory: int
+    tau: float
+
+
+class ScoreRequest(MemoryOptionsIn):
     text: str = Field(min_length=1, examples=["The central bank raised its key rate."])
 
 
@@ -147,6 +201,11 @@ class ScoreResponse(BaseModel):
     ppl: float
     would_store: list[bool]
     policy: str
+    trime_logprobs: list[float] | None = Field(
+        None, description="under the LM with local / long-term memory, when asked for"
+    )
+    trime_ppl: float | None = None
+    memory: MemoryOut | None = None
 
 
 # --- admin ------------------------------------------------------------------------------
@@ -243,3 +302,5 @@ class Health(BaseModel):
 
 
 StatsResponse.model_rebuild()
+PredictResponse.model_rebuild()
+ScoreResponse.model_rebuild()

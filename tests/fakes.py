@@ -8,7 +8,10 @@ is predictable by hand:
 * p_kNN(y) = live entries with key == last word and value y / all live entries with that key,
 * lambda = 0.5 when such entries exist, else 0.0,
 * FullMem stores every predicted token; MoNIM stores a token whose (key, value) pair
-  is not in the live memory yet (the augmented model "was surprised").
+  is not in the live memory yet (the augmented model "was surprised"),
+* whole words are the suggestions themselves (every fake token is a word),
+* local memory (TRIME): every earlier position of the input with the same key adds a
+  mass of 1 to its value beside the LM's total mass of 1 (tau is ignored).
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ class Suggestion:
     prob: float
     lm_prob: float
     knn_prob: float
+    trime_prob: float | None = None
+
+
+@dataclass(frozen=True)
+class WordSuggestion:
+    word: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+    prob: float
+    lm_prob: float
+    knn_prob: float
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class Prediction:
     suggestions: list[Suggestion]
     lam: float
     neighbours: list[Neighbour]
+    words: list[WordSuggestion] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,8 @@ class ScoreResult:
     lm_ppl: float
     ppl: float
     would_store: list[bool]
+    trime_logprobs: list[float] | None = None
+    trime_ppl: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,17 @@ class BuildInfo:
     params: dict[str, Any]
     train_seconds: float = 0.0
     add_seconds: float = 0.0
+
+
+def _local_memory(words: list[str], t: int) -> dict[str, int]:
+    """Values of the earlier positions j < t whose key (the word before) is words[t - 1]."""
+    hits = [words[j] for j in range(1, t) if words[j - 1] == words[t - 1]]
+    return {w: hits.count(w) for w in set(hits)}
+
+
+def _with_local(lm: float, local: dict[str, int], w: str) -> float:
+    """p(w) with the local memory's counts beside the LM's mass of 1."""
+    return (lm + local.get(w, 0)) / (1 + sum(local.values()))
 
 
 @dataclass
@@ -131,18 +159,30 @@ class FakeEngine:
         self.processed.append(doc_id)
         return IngestResult(len(words) - 1, len(self.entries) - first, first, len(self.entries))
 
-    def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
-        if not context.split():
+    def predict(
+        self,
+        context: str,
+        *,
+        top_n: int = 10,
+        neighbours: int = 0,
+        words: int = 0,
+        memory: Any = None,
+    ) -> Prediction:
+        toks = context.split()
+        if not toks:
             raise EngineInputError("the context is empty after tokenisation")
-        last = context.split()[-1]
+        last = toks[-1]
         knn = self._knn(last)
         lam = 0.5 if knn else 0.0
-        words = sorted(set(VOCAB) | set(knn))
+        local = _local_memory(toks, len(toks)) if memory is not None else None
+        cands = sorted(set(VOCAB) | set(knn) | set(local or {}))
         sugg = []
-        for w in words:
+        for w in cands:
             lm = 1.0 / len(VOCAB) if w in VOCAB else 0.0
             kp = knn.get(w, 0.0)
-            sugg.append(Suggestion(w, hash(w) % 1000, (1 - lam) * lm + lam * kp, lm, kp))
+            tp = None if local is None else _with_local(lm, local, w)
+            base = lm if tp is None else tp
+            sugg.append(Suggestion(w, hash(w) % 1000, (1 - lam) * base + lam * kp, lm, kp, tp))
         sugg.sort(key=lambda s: (-s.prob, s.token))
         ids = [i for i, e in enumerate(self.entries) if e.doc_id not in self.deleted]
         hits = [i for i in ids if self.entries[i].key == last][:neighbours]
@@ -157,22 +197,30 @@ class FakeEngine:
             )
             for rank, i in enumerate(hits)
         ]
-        return Prediction(sugg[:top_n], lam, nbrs)
+        found = [
+            WordSuggestion(s.token, (s.token_id,), (s.token,), s.prob, s.lm_prob, s.knn_prob)
+            for s in sugg[:words]
+        ]
+        return Prediction(sugg[:top_n], lam, nbrs, found)
 
-    def score(self, text: str, *, policy: Any = None) -> ScoreResult:
+    def score(self, text: str, *, policy: Any = None, memory: Any = None) -> ScoreResult:
         words = text.split()
         if len(words) < 2:
             raise EngineInputError("the text must hold at least two tokens")
         name = policy or self.policy
-        memory = {(e.key, e.value) for e in self._live()}
-        lm_lp, lp, store = [], [], []
+        memory_pairs = {(e.key, e.value) for e in self._live()}
+        lm_lp, lp, store, trime = [], [], [], []
         for t in range(1, len(words)):
             knn = self._knn(words[t - 1])
             lam = 0.5 if knn else 0.0
             lm = 1.0 / len(VOCAB) if words[t] in VOCAB else 1e-6
+            base = lm
+            if memory is not None:
+                base = _with_local(lm, _local_memory(words, t), words[t])
+                trime.append(math.log(base))
             lm_lp.append(math.log(lm))
-            lp.append(math.log((1 - lam) * lm + lam * knn.get(words[t], 0.0)))
-            store.append(self._stores(name, words[t - 1], words[t], memory))
+            lp.append(math.log((1 - lam) * base + lam * knn.get(words[t], 0.0)))
+            store.append(self._stores(name, words[t - 1], words[t], memory_pairs))
         return ScoreResult(
             words,
             lm_lp,
@@ -180,6 +228,8 @@ class FakeEngine:
             math.exp(-sum(lm_lp) / len(lm_lp)),
             math.exp(-sum(lp) / len(lp)),
             store,
+            trime if memory is not None else None,
+            math.exp(-sum(trime) / len(trime)) if memory is not None else None,
         )
 
     def rebuild(self, *, crash_at: str | None = None) -> BuildInfo:

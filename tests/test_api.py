@@ -284,6 +284,45 @@ def test_size_limits(tmp_path: Path, sqlite_url: str) -> None:
         assert c.get("/admin/stats", headers=ADMIN).json()["documents"] == {}
 
 
+def test_predict_words_and_local_memory(env: Env) -> None:
+    c = env.client
+    c.post("/ingest", headers=INGEST, json={"documents": [doc("we saw the cat")]})
+    assert env.drain() == 1
+    r = c.post("/predict", json={"context": "we saw the", "top_n": 2, "words": 3}).json()
+    # fake words are its tokens: the same ranking, as whole words
+    assert [w["word"] for w in r["words"]] == ["cat", "a", "and"]
+    assert r["words"][0] == {
+        "word": "cat",
+        "tokens": ["cat"],
+        "prob": 0.5,
+        "lm_prob": 0.0,
+        "knn_prob": 1.0,
+    }
+    assert r["memory"] is None and r["suggestions"][0]["trime_prob"] is None
+    assert c.post("/predict", json={"context": "we saw the"}).json()["words"] == []
+    # local memory: "the" was followed by "dog" once earlier in the context
+    r = c.post("/predict", json={"context": "the dog saw the", "local_memory": True}).json()
+    assert r["memory"] == {"local_memory": True, "long_memory": 0, "tau": 2.0}
+    best = r["suggestions"][0]
+    assert (best["token"], best["trime_prob"], best["knn_prob"]) == ("cat", 0.0, 1.0)
+    dog = next(s for s in r["suggestions"] if s["token"] == "dog")
+    assert dog["trime_prob"] == pytest.approx(0.5) and dog["prob"] == pytest.approx(0.25)
+    r = c.post("/predict", json={"context": "a", "long_memory": 2, "tau": 0.5}).json()
+    assert r["memory"] == {"local_memory": True, "long_memory": 2, "tau": 0.5}
+
+
+def test_score_with_local_memory(env: Env) -> None:
+    r = env.client.post("/score", json={"text": "the a the a", "local_memory": True}).json()
+    lm = math.log(1 / len(VOCAB))
+    # "a" after the second "the" sees one earlier ("the" -> "a") entry: (1/6 + 1) / 2
+    assert r["trime_logprobs"] == pytest.approx([lm, lm, math.log((1 / 6 + 1) / 2)])
+    assert r["logprobs"] == pytest.approx(r["trime_logprobs"])  # empty datastore
+    assert r["trime_ppl"] == pytest.approx(math.exp(-sum(r["trime_logprobs"]) / 3))
+    assert r["memory"]["tau"] == 2.0
+    plain = env.client.post("/score", json={"text": "the a the a"}).json()
+    assert plain["trime_logprobs"] is None and plain["memory"] is None
+
+
 def test_predict_and_score_validation(env: Env) -> None:
     c = env.client
     assert c.post("/predict", json={"context": ""}).status_code == 422
@@ -298,6 +337,13 @@ def test_predict_and_score_validation(env: Env) -> None:
     }
     r = c.post("/predict", json={"context": "   "})
     assert r.status_code == 422 and r.json()["error"] == "invalid_input"
+    for bad in ({"words": 51}, {"words": -1}, {"long_memory": 17}, {"tau": 1.0}):
+        r = c.post("/predict", json={"context": "a", **bad})
+        assert r.status_code == 422, bad
+    r = c.post("/score", json={"text": "a b", "tau": 1.0})
+    assert r.status_code == 422
+    assert "tau applies only with local_memory or long_memory" in r.json()["detail"]
+    assert c.post("/score", json={"text": "a b", "local_memory": True, "tau": 0}).status_code == 422
     assert c.get("/documents/999").json() == {
         "error": "not_found",
         "detail": "document 999 does not exist",

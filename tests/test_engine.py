@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from memlm.datastore import SimulatedCrash
-from memlm.encoder import Encoder
+from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine, EngineInputError
-from memlm.knnlm import KnnParams
+from memlm.knnlm import KnnParams, MemoryOptions
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 3
 
@@ -116,3 +116,70 @@ def test_predict_batch_equals_single_predicts(engine):
             assert x.prob == pytest.approx(y.prob, rel=1e-4, abs=1e-7)
         assert [n.entry_id for n in b.neighbours] == [n.entry_id for n in one.neighbours]
         assert b.lam == one.lam and b.context_tokens == one.context_tokens
+
+
+# --- TRIME local / long-term memory in score and predict ------------------------------------
+
+
+def _eq6(engine, ids, tau):
+    """Eq. 6 by hand, float64: (n, V) log-probs of every position of one window."""
+    keys, hidden, _ = engine.encoder.start([ids])
+    k = keys[0].double().numpy()  # (n, d): row t keys the context ids[:t + 1]
+    logits = engine.encoder.logits(hidden[0]).double().numpy()  # (n, V)
+    out = np.empty_like(logits)
+    for t in range(len(ids)):
+        mass = np.exp(logits[t])
+        for j in range(t):  # entry j: key of ids[:j + 1], value ids[j + 1]
+            mass[ids[j + 1]] += np.exp(k[t] @ k[j] / np.sqrt(k.shape[1]) / tau)
+        out[t] = np.log(mass / mass.sum())
+    return out
+
+
+def test_score_with_local_memory_is_trime_eq6_then_the_datastore(engine):
+    text = "Port Elsinore ferry, Port Elsinore ferry, Port Elsinore ferry."
+    ids = engine.encoder.tokenize(text)
+    mem = MemoryOptions(local=True, tau=0.7)
+    empty = engine.score(text, memory=mem)
+    expected = _eq6(engine, ids, 0.7)[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(empty.trime_logprobs, expected, rtol=1e-4)
+    assert empty.trime_logprobs[0] == pytest.approx(empty.lm_logprobs[0], rel=1e-5)  # no memory yet
+    assert empty.ppl == pytest.approx(empty.trime_ppl) and empty.trime_ppl < empty.lm_ppl
+    assert engine.score(text).trime_logprobs is None
+    # with a datastore the kNN part is interpolated on top of Eq. 6 (lambda 0.5)
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    plain, both = engine.score(text), engine.score(text, memory=mem)
+    p_knn = 2 * np.exp(plain.logprobs) - np.exp(plain.lm_logprobs)
+    np.testing.assert_allclose(
+        both.logprobs, np.log(0.5 * np.exp(both.trime_logprobs) + 0.5 * p_knn), rtol=1e-4
+    )
+
+
+def test_predict_with_local_memory(engine):
+    ctx = "Port Elsinore ferry, Port Elsinore ferry, Port"
+    ids = engine.encoder.tokenize(ctx)
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    pred = engine.predict(ctx, top_n=5, memory=MemoryOptions(local=True, tau=0.7))
+    expected = np.exp(_eq6(engine, ids, 0.7)[-1])
+    for s in pred.suggestions:
+        assert s.trime_prob == pytest.approx(expected[s.token_id], rel=1e-4)
+        assert s.prob == pytest.approx(0.5 * s.trime_prob + 0.5 * s.knn_prob, rel=1e-5)
+    assert engine.predict(ctx, top_n=5).suggestions[0].trime_prob is None
+
+
+def test_long_term_memory_reaches_before_the_window(tmp_path, encoder):
+    eng = Engine.open(tmp_path / "d", encoder=encoder, window=WindowConfig(context=8, stride=4))
+    text = "Port Elsinore ferry timetable, " * 6
+    ids = eng.encoder.tokenize(text)
+    local = eng.score(text, memory=MemoryOptions(local=True, tau=0.7)).trime_logprobs
+    long = eng.score(text, memory=MemoryOptions(long_segments=1, tau=0.7)).trime_logprobs
+    assert local[:7] == pytest.approx(long[:7])  # the first window has nothing before it
+    assert not np.allclose(local[8:], long[8:])
+    # predict: the window's own 7 earlier positions, plus the 8 before it
+    keys, _, _ = eng.encoder.start([ids[-8:]])
+    keys_l, values = eng._context_memory(ids, keys[0, :7], ids[-8:], MemoryOptions(long_segments=1))
+    begin = len(ids) - 8
+    before = eng.encoder.encode_ids(ids[: begin + 1], eng.window)
+    assert values.tolist() == before.targets[-8:].tolist() + ids[-7:]
+    np.testing.assert_allclose(keys_l[:8].numpy(), before.keys[-8:], rtol=1e-5)
+    keys_s, values_s = eng._context_memory(ids, keys[0, :7], ids[-8:], MemoryOptions(local=True))
+    assert values_s.tolist() == ids[-7:] and keys_s.shape == (7, eng.encoder.dim)

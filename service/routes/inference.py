@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -11,29 +12,66 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.repositories import DocumentRepository, PolicyRepository
+from memlm.knnlm import MemoryOptions
+from memlm.settings import Settings
 from service.deps import EngineDep, ReadAuth, State
 from service.errors import PayloadTooLarge
 from service.provenance import neighbours_out
 from service.schemas import (
+    MemoryOptionsIn,
+    MemoryOut,
     PredictRequest,
     PredictResponse,
     ScoreRequest,
     ScoreResponse,
     Suggestion,
+    WordSuggestionOut,
 )
 from service.state import AppState
 
 router = APIRouter(tags=["inference"])
 
 
-def predict_many(engine: Any, items: Sequence[tuple[str, int, int]]) -> list[Any]:
-    """The executor's batch function: all items share top_n and neighbours."""
-    _, top_n, k = items[0]
-    contexts = [c for c, _, _ in items]
+@dataclass(frozen=True)
+class PredictOptions:
+    """What one micro-batch of /predict requests shares (the executor groups by it)."""
+
+    top_n: int
+    neighbours: int
+    words: int
+    memory: MemoryOptions | None
+
+
+def predict_many(engine: Any, items: Sequence[tuple[str, PredictOptions]]) -> list[Any]:
+    """The executor's batch function: all items share their options."""
+    o = items[0][1]
+    contexts = [c for c, _ in items]
+    kwargs: dict[str, Any] = {"top_n": o.top_n, "neighbours": o.neighbours}
+    if o.words:
+        kwargs["words"] = o.words
+    if o.memory is not None:
+        kwargs["memory"] = o.memory
     batch = getattr(engine, "predict_batch", None)
     if batch is not None:
-        return list(batch(contexts, top_n=top_n, neighbours=k))
-    return [engine.predict(c, top_n=top_n, neighbours=k) for c in contexts]
+        return list(batch(contexts, **kwargs))
+    return [engine.predict(c, **kwargs) for c in contexts]
+
+
+def memory_options(body: MemoryOptionsIn, settings: Settings) -> MemoryOptions | None:
+    """The request's TRIME memory, None when it asks for none."""
+    if not (body.local_memory or body.long_memory):
+        return None
+    return MemoryOptions(
+        local=True,
+        long_segments=body.long_memory,
+        tau=settings.trime_tau if body.tau is None else body.tau,
+    )
+
+
+def memory_out(memory: MemoryOptions | None) -> MemoryOut | None:
+    if memory is None:
+        return None
+    return MemoryOut(local_memory=memory.local, long_memory=memory.long_segments, tau=memory.tau)
 
 
 def _lambda(pred: Any) -> float:
@@ -63,8 +101,10 @@ def _check_size(state: AppState, text: str, name: str) -> None:
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
     """Top-N next tokens under the LM, the memory and their interpolation."""
     _check_size(state, body.context, "context")
-    key = (state.cached["predict_many"], body.top_n, body.neighbours)
-    pred = await state.executor.batched(key[0], key, (body.context, body.top_n, body.neighbours))
+    memory = memory_options(body, state.settings)
+    opts = PredictOptions(body.top_n, body.neighbours, body.words, memory)
+    fn = state.cached["predict_many"]
+    pred = await state.executor.batched(fn, (fn, opts), (body.context, opts))
     docs = {}
     if pred.neighbours:
 
@@ -81,11 +121,23 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
                 prob=s.prob,
                 lm_prob=s.lm_prob,
                 knn_prob=s.knn_prob,
+                trime_prob=getattr(s, "trime_prob", None),
             )
             for s in pred.suggestions
         ],
+        words=[
+            WordSuggestionOut(
+                word=w.word,
+                tokens=list(w.tokens),
+                prob=w.prob,
+                lm_prob=w.lm_prob,
+                knn_prob=w.knn_prob,
+            )
+            for w in getattr(pred, "words", [])
+        ],
         **{"lambda": _lambda(pred)},
         neighbours=neighbours_out(pred.neighbours, docs, state.cached.get("char_span")),
+        memory=memory_out(memory),
         index_version=state.served_version,
     )
 
@@ -108,7 +160,12 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
             return row.policy, factory(row.policy, row.delta, row.params) if factory else None
 
     name, policy = await run_in_threadpool(active_policy)
-    res = await state.executor.call(partial(engine.score, body.text, policy=policy))
+    memory = memory_options(body, state.settings)
+    kwargs: dict[str, Any] = {"policy": policy}
+    if memory is not None:
+        kwargs["memory"] = memory
+    res = await state.executor.call(partial(engine.score, body.text, **kwargs))
+    trime = getattr(res, "trime_logprobs", None)
     return ScoreResponse(
         tokens=list(res.tokens),
         lm_logprobs=[_finite(float(x)) for x in res.lm_logprobs],
@@ -117,4 +174,7 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
         ppl=float(res.ppl),
         would_store=[bool(x) for x in res.would_store],
         policy=name,
+        trime_logprobs=None if trime is None else [_finite(float(x)) for x in trime],
+        trime_ppl=getattr(res, "trime_ppl", None),
+        memory=memory_out(memory),
     )
