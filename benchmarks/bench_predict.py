@@ -10,7 +10,11 @@ other news articles:
     and the top-N (called directly, no HTTP);
   - HTTP /predict: the whole request over a local socket (JSON, validation, the executor
     queue, the engine, provenance from the database), one request at a time;
-  - HTTP /predict, neighbours=5: the same with provenance snippets.
+  - HTTP /predict, neighbours=5: the same with provenance snippets;
+  - HTTP /predict, words=5: five whole-word suggestions (a beam search that continues
+    the forward's attention cache, memlm/words.py);
+  - HTTP /predict, local_memory: TRIME local memory (the context's own tokens) in the
+    softmax before the datastore.
 
 Prints one table (p50 / p99 / mean in milliseconds) and the machine's load average.
 
@@ -40,14 +44,25 @@ def percentiles(ms: list[float]) -> tuple[float, float, float]:
     return q[49], q[98], statistics.fmean(ms)
 
 
-def timed(fn: Callable[[], Any], n: int, warmup: int = 5) -> list[float]:
+def timed(
+    fns: dict[str, Callable[[], Any]],
+    n: int,
+    next_round: Callable[[], None],
+    warmup: int = 5,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each function, interleaved: round i calls every path once
+    (on the same input), so a change in the machine's load hits every row alike."""
     for _ in range(warmup):
-        fn()
-    out = []
+        next_round()
+        for fn in fns.values():
+            fn()
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
+        next_round()
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - t) * 1000)
     return out
 
 
@@ -68,6 +83,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import httpx
+    import torch
     import uvicorn
 
     from memlm.corpus import load_news
@@ -125,20 +141,23 @@ def main() -> None:
         if len(contexts) == 50:
             break
     lengths = sorted(len(enc.tokenize(c)) for c in contexts)
-    it = iter(range(10**9))
+    rounds = [-1]
+
+    def next_round() -> None:
+        rounds[0] += 1
 
     def ctx() -> str:
-        return contexts[next(it) % len(contexts)]
+        return contexts[rounds[0] % len(contexts)]
 
     def bare() -> None:
         ids = enc.tokenize(ctx())
-        _, hidden = engine._last_position(ids)
-        enc.full_logprobs(hidden)
+        _, hidden, _ = enc.start([ids])
+        torch.log_softmax(enc.logits(hidden[0, -1:]), dim=-1)
 
-    rows = [("bare LM forward + head (128 tokens)", timed(bare, args.requests))]
-    rows.append(
-        ("engine.predict", timed(lambda: engine.predict(ctx(), top_n=args.top_n), args.requests))
-    )
+    paths: dict[str, Callable[[], Any]] = {
+        "bare LM forward + head (128 tokens)": bare,
+        "engine.predict": lambda: engine.predict(ctx(), top_n=args.top_n),
+    }
 
     port = free_port()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
@@ -148,15 +167,20 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-        for k in (0, 5):
+        variants: list[tuple[str, dict[str, Any]]] = [
+            ("HTTP /predict", {}),
+            ("HTTP /predict, neighbours=5", {"neighbours": 5}),
+            ("HTTP /predict, words=5", {"words": 5}),
+            ("HTTP /predict, local_memory", {"local_memory": True}),
+        ]
+        for name, extra in variants:
 
-            def call(k: int = k) -> None:
-                r = client.post(
-                    "/predict", json={"context": ctx(), "top_n": args.top_n, "neighbours": k}
-                )
+            def call(extra: dict[str, Any] = extra) -> None:
+                r = client.post("/predict", json={"context": ctx(), "top_n": args.top_n, **extra})
                 r.raise_for_status()
 
-            rows.append((f"HTTP /predict, neighbours={k}", timed(call, args.requests)))
+            paths[name] = call
+        rows = timed(paths, args.requests, next_round)
     server.should_exit = True
     thread.join(10)
 
@@ -167,13 +191,13 @@ def main() -> None:
     )
     print(
         f"contexts: {len(contexts)} windows of {lengths[0]}-{lengths[-1]} tokens, "
-        f"{args.requests} timed calls per row after 5 warm-up calls"
+        f"{args.requests} timed calls per row after 5 warm-up calls, the rows interleaved"
     )
     print(f"load average before: {load_before}; after: {load_average()}")
     print()
     print(f"| {'path':40s} | p50 ms | p99 ms | mean ms |")
     print(f"|{'-' * 42}|-------:|-------:|--------:|")
-    for name, ms in rows:
+    for name, ms in rows.items():
         p50, p99, mean = percentiles(ms)
         print(f"| {name:40s} | {p50:6.1f} | {p99:6.1f} | {mean:7.1f} |")
 

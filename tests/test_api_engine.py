@@ -216,5 +216,10 @@ def test_bundled_smollm2_neighbours_come_from_the_ingested_article(
         ).json()
         assert pred["neighbours"] and pred["neighbours"][0]["document_id"] == ids[1]
         assert pred["neighbours"][0]["title"] == "Snow"
+        words = c.post(
+            "/predict", json={"context": "Heavy snow closed schools in the north of", "words": 3}
+        ).json()["words"]
+        scotland = next(w for w in words if w["word"] == " Scotland")
+        assert scotland["knn_prob"] > 0.5 and scotland["prob"] > scotland["lm_prob"]
         sc = c.post("/score", json={"text": OTHER}).json()
         assert sc["ppl"] < sc["lm_ppl"]
