@@ -28,7 +28,7 @@ import numpy as np
 class WordConfig:
     """Search limits: cost grows with beam x max_tokens forwards of one token each."""
 
-    beam: int = 16  # prefixes kept per context; top-10 words rarely need more
+    beam: int = 16  # at most this many prefixes per context (2 per word asked for)
     max_tokens: int = 4  # BPE news words are 1-3 tokens; longer ones are rare suggestions
 
     def __post_init__(self) -> None:
@@ -98,6 +98,10 @@ def complete_words(
     cfg = cfg or WordConfig()
     n_ctx, vocab = first.prob.shape
     assert continues.shape == (vocab,) and n >= 1
+    # Each prefix is a row of the next forward (a 16-row step costs about 0.4 of a
+    # 128-token context's forward here); twice the words asked for leaves room for
+    # prefixes that do not end well without paying for 16 when 3 words are wanted.
+    beam = min(cfg.beam, max(2 * n, 4))
     ends = ~continues
     done: list[dict[tuple[int, ...], tuple[float, float, float]]] = [{} for _ in range(n_ctx)]
     prefixes = [
@@ -105,7 +109,7 @@ def complete_words(
             r, (int(t),), *(float(d[r, t]) for d in (first.prob, first.lm_prob, first.knn_prob))
         )
         for r in range(n_ctx)
-        for t in _top(first.prob[r], cfg.beam)
+        for t in _top(first.prob[r], beam)
         if first.prob[r, t] > 0
     ]
     parents = np.array([p.context for p in prefixes], np.int64)
@@ -122,7 +126,7 @@ def complete_words(
             )
         if depth + 1 == cfg.max_tokens:
             break
-        prefixes, parents = _extend(prefixes, d, continues, done, n, cfg.beam)
+        prefixes, parents = _extend(prefixes, d, continues, done, n, beam)
     return [_merge(done[r], decode, n) for r in range(n_ctx)]
 
 
