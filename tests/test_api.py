@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +219,45 @@ def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
         c.post("/admin/rebuild", headers=ADMIN, json={"key": "2017-02-07"}).json()["status"]
         == "done"
     )
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    yield from _env(tmp_path, url)
+
+
+def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
+    """SQLite keeps no zone and PostgreSQL answers in its session zone; the API says UTC."""
+    c = any_env.client
+    t0 = dt.datetime.now(dt.UTC).replace(microsecond=0)  # server defaults: whole seconds
+    [accepted] = c.post("/ingest", headers=INGEST, json={"documents": [doc("a b c")]}).json()[
+        "documents"
+    ]
+    build_id = c.post("/admin/rebuild", headers=ADMIN).json()["id"]
+    before_put = c.get("/admin/policy", headers=ADMIN).json()
+    assert any_env.drain() == 2
+    after_put = c.put("/admin/policy", headers=ADMIN, json={"policy": "fullmem"}).json()
+    d = c.get(f"/documents/{accepted['id']}").json()
+    b = c.get(f"/admin/builds/{build_id}", headers=ADMIN).json()
+    st = c.get("/admin/stats", headers=ADMIN).json()
+    t1 = dt.datetime.now(dt.UTC)
+    stamps = {
+        "created_at": d["created_at"],
+        "processed_at": d["processed_at"],
+        "requested_at": b["requested_at"],
+        "finished_at": b["finished_at"],
+        "built_at": st["index"]["built_at"],
+        "updated_at (default)": before_put["updated_at"],
+        "updated_at (put)": after_put["updated_at"],
+        "updated_at (stats)": st["policy"]["updated_at"],
+    }
+    for name, value in stamps.items():
+        assert isinstance(value, str) and value.endswith("Z"), (name, value)
+        parsed = dt.datetime.fromisoformat(value)
+        assert parsed.utcoffset() == dt.timedelta(0), name
+        assert t0 <= parsed <= t1, name
+    assert st["index"]["built_at"] == b["finished_at"]
 
 
 # --- validation -------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from sqlalchemy import inspect
 
 from memlm.db.errors import DatabaseNotMigrated
 from memlm.db.migrate import (
+    SCRIPT_LOCATION,
     alembic_config,
     check_migrated,
     current_revision,
@@ -74,3 +76,18 @@ def test_constraint_names_follow_the_convention(sqlite_url: str) -> None:
     checks = {c["name"] for c in insp.get_check_constraints("documents")}
     assert checks == {"ck_documents_status"}
     eng.dispose()
+
+
+def test_autogenerate_writes_plain_types_without_importing_the_models(tmp_path: Path) -> None:
+    """A new migration must not depend on memlm code: UTCDateTime renders as sa.DateTime."""
+    scripts = tmp_path / "migrations"
+    shutil.copytree(SCRIPT_LOCATION, scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    for old in (scripts / "versions").glob("*.py"):
+        old.unlink()  # an empty history: autogenerate writes every table
+    cfg = alembic_config(f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    cfg.set_main_option("script_location", str(scripts))
+    command.revision(cfg, message="everything", autogenerate=True, rev_id="x1")
+    [new] = (scripts / "versions").glob("x1_*.py")
+    body = new.read_text()
+    assert body.count("sa.DateTime(timezone=True)") == 7
+    assert "UTCDateTime" not in body and "memlm" not in body

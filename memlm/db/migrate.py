@@ -12,14 +12,15 @@ from sqlalchemy import Engine
 
 from memlm.db.errors import DatabaseNotMigrated
 
-# migrations/ sits beside the package in the repository (and in the Docker image).
-ROOT = Path(__file__).resolve().parents[2]
+# The Alembic scripts ship inside the package (package data of memlm.db), so an installed
+# wheel migrates as well as a checkout; the repository's alembic.ini points here too.
+SCRIPT_LOCATION = Path(__file__).resolve().with_name("migrations")
 
 
 def alembic_config(url: str) -> Config:
-    """An Alembic config for ``url`` using the repository's migrations/ folder."""
-    cfg = Config(str(ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    """An Alembic config for ``url`` using the packaged migrations (no alembic.ini needed)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(SCRIPT_LOCATION))
     # env.py reads this attribute first, so a caller's URL wins over the settings.
     cfg.attributes["url"] = url
     return cfg
