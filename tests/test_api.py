@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -413,6 +415,49 @@ def test_openapi_lists_every_route_with_examples(env: Env) -> None:
         "/metrics",
     } <= paths
     assert spec["components"]["schemas"]["IngestRequest"]["examples"][0]["documents"]
+
+
+def _wait_for(client: TestClient, path: str, status: int, detail: str | None) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while True:
+        r = client.get(path)
+        if r.status_code == status and (detail is None or r.json().get("detail") == detail):
+            return dict(r.json())
+        assert time.monotonic() < deadline, (r.status_code, r.text)
+        time.sleep(0.02)
+
+
+def test_engine_that_cannot_open_yet_is_retried_until_ready(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """A split API (docker compose) may start before its worker created the datastore."""
+    calls: list[int] = []
+    failed, release = threading.Event(), threading.Event()
+
+    def factory(settings: Any) -> FakeEngine:
+        calls.append(1)
+        if len(calls) == 1:
+            failed.set()
+            raise RuntimeError("no datastore there yet")
+        assert release.wait(20)
+        return FakeEngine()
+
+    settings = make_settings(tmp_path, sqlite_url, index_poll_seconds=0.05)
+    app = create_app(
+        settings, engine_factory=factory, policy_factory=by_name, run_worker=False, poll=False
+    )
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert failed.wait(20)
+        _wait_for(c, "/readyz", 503, "model failed to load")
+        r = c.post("/predict", json={"context": "the"})
+        assert (r.status_code, r.json()["detail"]) == (
+            503,
+            "the model failed to load; see the server log",
+        )
+        release.set()
+        assert _wait_for(c, "/readyz", 200, None)["status"] == "ready"
+        assert len(calls) == 2
+        assert c.post("/predict", json={"context": "the"}).status_code == 200
 
 
 def test_unmigrated_database_refuses_to_start(tmp_path: Path) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import queue
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -139,6 +142,44 @@ def test_policy_row_defaults_then_updates(sessions: sessionmaker[Session]) -> No
     with sessions() as s:
         row = PolicyRepository(s).get(default_policy="monim", default_delta=-1.5)
         assert (row.policy, row.delta, row.params) == ("monim-amt", -2.0, {"x": 1})
+
+
+@pytest.mark.postgres
+def test_policy_row_seeded_by_two_processes_at_once(
+    pg_url: str, make_sessions: MakeSessions
+) -> None:
+    """API and worker starting together both find no row and insert it: one wins."""
+    sessions = make_sessions(pg_url)
+    pid: queue.Queue[int] = queue.Queue()
+    out: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            with sessions.begin() as s:
+                pid.put(int(s.scalar(text("select pg_backend_pid()"))))
+                row = PolicyRepository(s).get(default_policy="randmem", default_delta=-1.0)
+                out["row"] = (row.policy, row.delta)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = repr(exc)
+
+    s1 = sessions()
+    try:
+        PolicyRepository(s1).get(default_policy="monim", default_delta=None)  # not committed
+        t = threading.Thread(target=second)
+        t.start()
+        backend = pid.get(timeout=20)
+        deadline = time.monotonic() + 20
+        with sessions() as watcher:  # wait until its insert waits for our row
+            q = text("select wait_event_type from pg_stat_activity where pid = :pid")
+            while watcher.scalar(q, {"pid": backend}) != "Lock":
+                assert time.monotonic() < deadline
+                watcher.rollback()
+                time.sleep(0.01)
+        s1.commit()
+        t.join(20)
+    finally:
+        s1.close()
+    assert out == {"row": ("monim", None)}
 
 
 # --- timestamps: aware UTC out of every backend; naive refused ----------------------------
