@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from memlm.db.errors import DatabaseNotMigrated
 from memlm.db.migrate import (
@@ -91,3 +91,19 @@ def test_autogenerate_writes_plain_types_without_importing_the_models(tmp_path: 
     body = new.read_text()
     assert body.count("sa.DateTime(timezone=True)") == 7
     assert "UTCDateTime" not in body and "memlm" not in body
+
+
+def test_database_migrated_by_newer_code_is_refused_without_suggesting_upgrade(
+    sqlite_url: str,
+) -> None:
+    eng = make_engine(sqlite_url)
+    with eng.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))
+    with pytest.raises(DatabaseNotMigrated) as err:
+        check_migrated(eng)
+    head = head_revision()
+    assert str(err.value) == (
+        f"database {sqlite_url} is at revision f00d, which this code does not know (it "
+        f"needs {head}): run the newer memlm, or its `memlm db downgrade {head}`"
+    )
+    eng.dispose()

@@ -43,11 +43,25 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+def known_revisions() -> set[str]:
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return {rev.revision for rev in script.walk_revisions()}
+
+
 def check_migrated(engine: Engine) -> None:
     """Raise :class:`DatabaseNotMigrated` unless the schema is at the head revision."""
     current, head = current_revision(engine), head_revision()
-    if current != head:
+    if current == head:
+        return
+    db = engine.url.render_as_string(hide_password=True)
+    if current is not None and current not in known_revisions():
+        # Migrated by newer code (a rollback of the code, or an old replica): upgrading
+        # cannot help, and downgrading needs the newer code's migration scripts.
         raise DatabaseNotMigrated(
-            f"database {engine.url.render_as_string(hide_password=True)} is at revision "
-            f"{current or 'none (empty)'}, the code needs {head}: run `memlm db upgrade`"
+            f"database {db} is at revision {current}, which this code does not know (it "
+            f"needs {head}): run the newer memlm, or its `memlm db downgrade {head}`"
         )
+    raise DatabaseNotMigrated(
+        f"database {db} is at revision {current or 'none (empty)'}, the code needs {head}: "
+        "run `memlm db upgrade`"
+    )
