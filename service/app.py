@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Settings], EngineLike]
 
+# Longest pause between two attempts to open the engine.
+LOAD_RETRY_MAX_SECONDS = 60.0
+
 DESCRIPTION = """\
 memlm memorises a stream of dated documents in a kNN-LM datastore with the MoNIM
 policy and answers next-token and scoring requests from the LM augmented with it.
@@ -136,12 +139,21 @@ def create_app(
             threads.append(t)
 
         async def load() -> None:
-            try:
-                eng = engine if engine is not None else await asyncio.to_thread(factory, settings)
-            except Exception as exc:
-                log.exception("loading the engine failed")
-                state.load_error = type(exc).__name__
-                return
+            # Retried with backoff: with a separate worker (docker compose) the API may
+            # start before the worker has created the datastore it opens read-only.
+            delay = settings.index_poll_seconds
+            while True:
+                try:
+                    eng = (
+                        engine if engine is not None else await asyncio.to_thread(factory, settings)
+                    )
+                    break
+                except Exception as exc:
+                    log.exception("loading the engine failed; retrying in %.0f s", delay)
+                    state.load_error = type(exc).__name__
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, max(LOAD_RETRY_MAX_SECONDS, delay))
+            state.load_error = None
             _attach(state, eng)
             if with_worker:
                 start_worker(eng)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,6 +223,45 @@ def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
     )
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    yield from _env(tmp_path, url)
+
+
+def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
+    """SQLite keeps no zone and PostgreSQL answers in its session zone; the API says UTC."""
+    c = any_env.client
+    t0 = dt.datetime.now(dt.UTC).replace(microsecond=0)  # server defaults: whole seconds
+    [accepted] = c.post("/ingest", headers=INGEST, json={"documents": [doc("a b c")]}).json()[
+        "documents"
+    ]
+    build_id = c.post("/admin/rebuild", headers=ADMIN).json()["id"]
+    before_put = c.get("/admin/policy", headers=ADMIN).json()
+    assert any_env.drain() == 2
+    after_put = c.put("/admin/policy", headers=ADMIN, json={"policy": "fullmem"}).json()
+    d = c.get(f"/documents/{accepted['id']}").json()
+    b = c.get(f"/admin/builds/{build_id}", headers=ADMIN).json()
+    st = c.get("/admin/stats", headers=ADMIN).json()
+    t1 = dt.datetime.now(dt.UTC)
+    stamps = {
+        "created_at": d["created_at"],
+        "processed_at": d["processed_at"],
+        "requested_at": b["requested_at"],
+        "finished_at": b["finished_at"],
+        "built_at": st["index"]["built_at"],
+        "updated_at (default)": before_put["updated_at"],
+        "updated_at (put)": after_put["updated_at"],
+        "updated_at (stats)": st["policy"]["updated_at"],
+    }
+    for name, value in stamps.items():
+        assert isinstance(value, str) and value.endswith("Z"), (name, value)
+        parsed = dt.datetime.fromisoformat(value)
+        assert parsed.utcoffset() == dt.timedelta(0), name
+        assert t0 <= parsed <= t1, name
+    assert st["index"]["built_at"] == b["finished_at"]
+
+
 # --- validation -------------------------------------------------------------------------
 
 
@@ -419,6 +461,49 @@ def test_openapi_lists_every_route_with_examples(env: Env) -> None:
         "/metrics",
     } <= paths
     assert spec["components"]["schemas"]["IngestRequest"]["examples"][0]["documents"]
+
+
+def _wait_for(client: TestClient, path: str, status: int, detail: str | None) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while True:
+        r = client.get(path)
+        if r.status_code == status and (detail is None or r.json().get("detail") == detail):
+            return dict(r.json())
+        assert time.monotonic() < deadline, (r.status_code, r.text)
+        time.sleep(0.02)
+
+
+def test_engine_that_cannot_open_yet_is_retried_until_ready(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """A split API (docker compose) may start before its worker created the datastore."""
+    calls: list[int] = []
+    failed, release = threading.Event(), threading.Event()
+
+    def factory(settings: Any) -> FakeEngine:
+        calls.append(1)
+        if len(calls) == 1:
+            failed.set()
+            raise RuntimeError("no datastore there yet")
+        assert release.wait(20)
+        return FakeEngine()
+
+    settings = make_settings(tmp_path, sqlite_url, index_poll_seconds=0.05)
+    app = create_app(
+        settings, engine_factory=factory, policy_factory=by_name, run_worker=False, poll=False
+    )
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert failed.wait(20)
+        _wait_for(c, "/readyz", 503, "model failed to load")
+        r = c.post("/predict", json={"context": "the"})
+        assert (r.status_code, r.json()["detail"]) == (
+            503,
+            "the model failed to load; see the server log",
+        )
+        release.set()
+        assert _wait_for(c, "/readyz", 200, None)["status"] == "ready"
+        assert len(calls) == 2
+        assert c.post("/predict", json={"context": "the"}).status_code == 200
 
 
 def test_unmigrated_database_refuses_to_start(tmp_path: Path) -> None:

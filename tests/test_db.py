@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import queue
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
+from sqlalchemy import select, text
+from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.errors import Conflict, NotFound
+from memlm.db.models import Document, UTCDateTime
 from memlm.db.repositories import (
     BuildRepository,
     DocumentRepository,
@@ -136,3 +142,137 @@ def test_policy_row_defaults_then_updates(sessions: sessionmaker[Session]) -> No
     with sessions() as s:
         row = PolicyRepository(s).get(default_policy="monim", default_delta=-1.5)
         assert (row.policy, row.delta, row.params) == ("monim-amt", -2.0, {"x": 1})
+
+
+@pytest.mark.postgres
+def test_policy_row_seeded_by_two_processes_at_once(
+    pg_url: str, make_sessions: MakeSessions
+) -> None:
+    """API and worker starting together both find no row and insert it: one wins."""
+    sessions = make_sessions(pg_url)
+    pid: queue.Queue[int] = queue.Queue()
+    out: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            with sessions.begin() as s:
+                pid.put(int(s.scalar(text("select pg_backend_pid()"))))
+                row = PolicyRepository(s).get(default_policy="randmem", default_delta=-1.0)
+                out["row"] = (row.policy, row.delta)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = repr(exc)
+
+    s1 = sessions()
+    try:
+        PolicyRepository(s1).get(default_policy="monim", default_delta=None)  # not committed
+        t = threading.Thread(target=second)
+        t.start()
+        backend = pid.get(timeout=20)
+        deadline = time.monotonic() + 20
+        with sessions() as watcher:  # wait until its insert waits for our row
+            q = text("select wait_event_type from pg_stat_activity where pid = :pid")
+            while watcher.scalar(q, {"pid": backend}) != "Lock":
+                assert time.monotonic() < deadline
+                watcher.rollback()
+                time.sleep(0.01)
+        s1.commit()
+        t.join(20)
+    finally:
+        s1.close()
+    assert out == {"row": ("monim", None)}
+
+
+# --- timestamps: aware UTC out of every backend; naive refused ----------------------------
+
+IST = dt.timezone(dt.timedelta(hours=5, minutes=30))
+
+
+def _timestamps(row: object) -> dict[str, dt.datetime | None]:
+    return {
+        c.key: getattr(row, c.key)
+        for c in row.__table__.columns  # type: ignore[attr-defined]
+        if isinstance(c.type, UTCDateTime)
+    }
+
+
+def _assert_utc_between(
+    values: dict[str, dt.datetime | None], lo: dt.datetime, hi: dt.datetime
+) -> None:
+    for name, value in values.items():
+        assert value is not None, name
+        assert value.tzinfo is dt.UTC, name
+        # Server defaults (SQLite CURRENT_TIMESTAMP) have whole seconds.
+        assert lo.replace(microsecond=0) <= value <= hi, name
+
+
+def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
+    t0 = dt.datetime.now(dt.UTC)
+    with sessions.begin() as s:
+        [doc_id] = (a.id for a in DocumentRepository(s).add_many([new("tz")]))
+        build, _ = BuildRepository(s).enqueue("tz", "test")
+        PolicyRepository(s).get(default_policy="monim", default_delta=None)  # server default
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        claimed = docs.claim_next("w")
+        assert claimed is not None
+        docs.mark_done(
+            claimed, policy="monim", tokens_seen=1, tokens_stored=1, entry_start=0, entry_end=1
+        )
+        builds = BuildRepository(s)
+        builds.claim_queued()
+        builds.finish(build.id, version="1", entries=1, params={}, seconds=0.1)
+    t1 = dt.datetime.now(dt.UTC)
+    with sessions() as s:
+        doc = DocumentRepository(s).get(doc_id)
+        row = BuildRepository(s).get(build.id)
+        policy = PolicyRepository(s).get(default_policy="x", default_delta=None)
+        got = {**_timestamps(doc), **_timestamps(row), **_timestamps(policy)}
+    assert sorted(got) == [
+        "claimed_at",
+        "created_at",
+        "finished_at",
+        "processed_at",
+        "requested_at",
+        "started_at",
+        "updated_at",
+    ]
+    _assert_utc_between(got, t0, t1)
+    with sessions.begin() as s:
+        PolicyRepository(s).set("fullmem", None, {})  # a Python-side value this time
+    with sessions() as s:
+        updated = PolicyRepository(s).get(default_policy="x", default_delta=None).updated_at
+    _assert_utc_between({"updated_at": updated}, t1, dt.datetime.now(dt.UTC))
+
+
+def test_every_timestamp_comes_back_aware_utc(sessions: sessionmaker[Session]) -> None:
+    _every_timestamp_is_utc(sessions)
+
+
+@pytest.mark.postgres
+def test_postgres_session_timezone_does_not_leak(pg_url: str, make_sessions: MakeSessions) -> None:
+    """timestamptz comes back in the session's TimeZone; memlm still answers UTC."""
+    sessions = make_sessions(f"{pg_url}%20-ctimezone%3DAsia%2FKolkata")
+    with sessions() as s:
+        assert s.scalar(text("SHOW TimeZone")) == "Asia/Kolkata"
+    _every_timestamp_is_utc(sessions)
+
+
+def test_aware_timestamps_keep_their_instant_and_naive_ones_are_refused(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions.begin() as s:
+        [doc_id] = (a.id for a in DocumentRepository(s).add_many([new("instant")]))
+        DocumentRepository(s).get(doc_id).processed_at = dt.datetime(2017, 2, 7, 12, 0, tzinfo=IST)
+    with sessions() as s:
+        got = DocumentRepository(s).get(doc_id).processed_at
+        assert got == dt.datetime(2017, 2, 7, 6, 30, tzinfo=dt.UTC)
+        assert got is not None and got.tzinfo is dt.UTC
+        # Compared in SQL too: the stored value is the UTC instant, not IST wall time.
+        q = select(Document.id).where(
+            Document.processed_at == dt.datetime(2017, 2, 7, 6, 30, tzinfo=dt.UTC)
+        )
+        assert s.scalars(q).all() == [doc_id]
+    with sessions() as s:
+        DocumentRepository(s).get(doc_id).processed_at = dt.datetime(2017, 2, 7, 12, 0)
+        with pytest.raises(StatementError, match="naive datetime 2017-02-07T12:00:00 refused"):
+            s.flush()

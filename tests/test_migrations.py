@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from memlm.db.errors import DatabaseNotMigrated
 from memlm.db.migrate import (
+    SCRIPT_LOCATION,
     alembic_config,
     check_migrated,
     current_revision,
@@ -73,4 +75,35 @@ def test_constraint_names_follow_the_convention(sqlite_url: str) -> None:
     assert uniques == {"uq_documents_content_hash", "uq_documents_source_external_id"}
     checks = {c["name"] for c in insp.get_check_constraints("documents")}
     assert checks == {"ck_documents_status"}
+    eng.dispose()
+
+
+def test_autogenerate_writes_plain_types_without_importing_the_models(tmp_path: Path) -> None:
+    """A new migration must not depend on memlm code: UTCDateTime renders as sa.DateTime."""
+    scripts = tmp_path / "migrations"
+    shutil.copytree(SCRIPT_LOCATION, scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    for old in (scripts / "versions").glob("*.py"):
+        old.unlink()  # an empty history: autogenerate writes every table
+    cfg = alembic_config(f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    cfg.set_main_option("script_location", str(scripts))
+    command.revision(cfg, message="everything", autogenerate=True, rev_id="x1")
+    [new] = (scripts / "versions").glob("x1_*.py")
+    body = new.read_text()
+    assert body.count("sa.DateTime(timezone=True)") == 7
+    assert "UTCDateTime" not in body and "memlm" not in body
+
+
+def test_database_migrated_by_newer_code_is_refused_without_suggesting_upgrade(
+    sqlite_url: str,
+) -> None:
+    eng = make_engine(sqlite_url)
+    with eng.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'f00d'"))
+    with pytest.raises(DatabaseNotMigrated) as err:
+        check_migrated(eng)
+    head = head_revision()
+    assert str(err.value) == (
+        f"database {sqlite_url} is at revision f00d, which this code does not know (it "
+        f"needs {head}): run the newer memlm, or its `memlm db downgrade {head}`"
+    )
     eng.dispose()

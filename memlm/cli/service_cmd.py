@@ -41,6 +41,13 @@ def _settings() -> Any:
     return settings
 
 
+def _shown(url: str) -> str:
+    """The database URL for messages and logs: the password masked."""
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def _migrated_sessions(settings: Any) -> Any:
     """Sessions for the settings' database; exits with the fix when it is not migrated."""
     from sqlalchemy.exc import OperationalError
@@ -52,11 +59,14 @@ def _migrated_sessions(settings: Any) -> Any:
     engine = make_engine(settings.db_url)
     try:
         check_migrated(engine)
-    except DatabaseNotMigrated as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except OperationalError as e:
-        typer.echo(f"error: cannot open the database {settings.db_url}: {e.orig}", err=True)
+    except (DatabaseNotMigrated, OperationalError) as e:
+        engine.dispose()
+        if isinstance(e, OperationalError):
+            typer.echo(
+                f"error: cannot open the database {_shown(settings.db_url)}: {e.orig}", err=True
+            )
+        else:
+            typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     return make_sessionmaker(engine)
 
@@ -111,7 +121,9 @@ def up(
 
     settings = _settings()
     upgrade(settings.db_url)
-    typer.echo(f"data in {settings.data_dir.resolve()}, database {settings.db_url} (migrated)")
+    typer.echo(
+        f"data in {settings.data_dir.resolve()}, database {_shown(settings.db_url)} (migrated)"
+    )
     if settings.uses_default_secret():
         typer.echo(
             "development tokens: Authorization: Bearer change-me "
@@ -199,7 +211,7 @@ def db_upgrade(revision: str = typer.Argument("head")) -> None:
 
     settings = _settings()
     upgrade(settings.db_url, revision)
-    typer.echo(f"{settings.db_url}: at {revision}")
+    typer.echo(f"{_shown(settings.db_url)}: at {revision}")
 
 
 @db_app.command("downgrade")
@@ -209,7 +221,7 @@ def db_downgrade(revision: str = typer.Argument(...)) -> None:
 
     settings = _settings()
     downgrade(settings.db_url, revision)
-    typer.echo(f"{settings.db_url}: at {revision}")
+    typer.echo(f"{_shown(settings.db_url)}: at {revision}")
 
 
 @db_app.command("current")

@@ -12,14 +12,15 @@ from sqlalchemy import Engine
 
 from memlm.db.errors import DatabaseNotMigrated
 
-# migrations/ sits beside the package in the repository (and in the Docker image).
-ROOT = Path(__file__).resolve().parents[2]
+# The Alembic scripts ship inside the package (package data of memlm.db), so an installed
+# wheel migrates as well as a checkout; the repository's alembic.ini points here too.
+SCRIPT_LOCATION = Path(__file__).resolve().with_name("migrations")
 
 
 def alembic_config(url: str) -> Config:
-    """An Alembic config for ``url`` using the repository's migrations/ folder."""
-    cfg = Config(str(ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    """An Alembic config for ``url`` using the packaged migrations (no alembic.ini needed)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(SCRIPT_LOCATION))
     # env.py reads this attribute first, so a caller's URL wins over the settings.
     cfg.attributes["url"] = url
     return cfg
@@ -42,11 +43,25 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+def known_revisions() -> set[str]:
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return {rev.revision for rev in script.walk_revisions()}
+
+
 def check_migrated(engine: Engine) -> None:
     """Raise :class:`DatabaseNotMigrated` unless the schema is at the head revision."""
     current, head = current_revision(engine), head_revision()
-    if current != head:
+    if current == head:
+        return
+    db = engine.url.render_as_string(hide_password=True)
+    if current is not None and current not in known_revisions():
+        # Migrated by newer code (a rollback of the code, or an old replica): upgrading
+        # cannot help, and downgrading needs the newer code's migration scripts.
         raise DatabaseNotMigrated(
-            f"database {engine.url.render_as_string(hide_password=True)} is at revision "
-            f"{current or 'none (empty)'}, the code needs {head}: run `memlm db upgrade`"
+            f"database {db} is at revision {current}, which this code does not know (it "
+            f"needs {head}): run the newer memlm, or its `memlm db downgrade {head}`"
         )
+    raise DatabaseNotMigrated(
+        f"database {db} is at revision {current or 'none (empty)'}, the code needs {head}: "
+        "run `memlm db upgrade`"
+    )

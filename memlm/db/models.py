@@ -1,6 +1,7 @@
 """SQLAlchemy 2 tables: documents, per-day statistics, index builds, the active policy.
 
 Schemas for HTTP live in ``service.schemas``; these classes are storage only.
+Every timestamp column is :class:`UTCDateTime`: stored in UTC, read back aware (UTC).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from sqlalchemy import (
     UniqueConstraint,
     func,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 # Stable constraint names so Alembic autogenerate and downgrades agree across databases.
 NAMING_CONVENTION = {
@@ -38,6 +41,43 @@ NAMING_CONVENTION = {
 # entries and marks the document forgotten in the same transaction as the counters.
 DOCUMENT_STATUSES = ("pending", "processing", "done", "failed", "forgetting", "forgotten")
 BUILD_STATUSES = ("queued", "building", "done", "failed")
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timestamp that leaves the database timezone-aware in UTC, on every backend.
+
+    PostgreSQL keeps ``timestamptz`` but answers in the session's TimeZone; SQLite keeps
+    no zone at all, so values are stored there as naive UTC text, which is what its
+    ``CURRENT_TIMESTAMP`` (the server defaults) writes too and which sorts as time.
+    A naive datetime is refused rather than guessed: it does not say which zone it is in.
+    The DDL is plain ``DateTime(timezone=True)``, so no migration is involved.
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def __init__(self) -> None:
+        super().__init__(timezone=True)
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(
+                f"naive datetime {value.isoformat()} refused: pass an aware datetime "
+                "(e.g. datetime.now(datetime.UTC))"
+            )
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(
+        self, value: dt.datetime | None, dialect: Dialect
+    ) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:  # SQLite: stored as UTC
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
 
 
 class Base(DeclarativeBase):
@@ -71,12 +111,10 @@ class Document(Base):
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), server_default=func.now())
     claimed_by: Mapped[str | None] = mapped_column(String(200))
-    claimed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
-    processed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    claimed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    processed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     policy: Mapped[str | None] = mapped_column(String(32))
     tokens_seen: Mapped[int | None] = mapped_column(Integer)
     tokens_stored: Mapped[int | None] = mapped_column(Integer)
@@ -115,11 +153,9 @@ class IndexBuild(Base):
     version: Mapped[str | None] = mapped_column(String(100))
     entries: Mapped[int | None] = mapped_column(BigInteger)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    requested_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
-    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    requested_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+    started_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     seconds: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
 
@@ -134,5 +170,5 @@ class PolicySetting(Base):
     delta: Mapped[float | None] = mapped_column(Float)  # None: the policy's default
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     updated_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
+        UTCDateTime(), server_default=func.now(), onupdate=func.now()
     )

@@ -332,19 +332,25 @@ class PolicyRepository:
 
     def get(self, *, default_policy: str, default_delta: float | None) -> PolicySetting:
         row = self.s.get(PolicySetting, 1)
-        if row is None:
-            row = PolicySetting(id=1, policy=default_policy, delta=default_delta, params={})
-            self.s.add(row)
-            self.s.flush()
-        return row
+        return row if row is not None else self._seed(default_policy, default_delta, {})
 
     def set(self, policy: str, delta: float | None, params: dict[str, Any]) -> PolicySetting:
-        row = self.s.get(PolicySetting, 1)
-        if row is None:
-            row = PolicySetting(id=1, policy=policy, delta=delta, params=params)
-            self.s.add(row)
-        else:
-            row.policy, row.delta, row.params = policy, delta, params
-            row.updated_at = utcnow()
+        row = self.s.get(PolicySetting, 1) or self._seed(policy, delta, params)
+        row.policy, row.delta, row.params = policy, delta, params
+        row.updated_at = utcnow()
         self.s.flush()
+        return row
+
+    def _seed(self, policy: str, delta: float | None, params: dict[str, Any]) -> PolicySetting:
+        """Insert the row; when another process (API and worker start together) inserted
+        it first, its row wins, as in :meth:`BuildRepository.enqueue`."""
+        row = PolicySetting(id=1, policy=policy, delta=delta, params=params)
+        try:
+            with self.s.begin_nested():
+                self.s.add(row)
+        except IntegrityError:
+            winner = self.s.get(PolicySetting, 1)
+            if winner is None:
+                raise
+            return winner
         return row

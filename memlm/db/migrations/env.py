@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from logging.config import fileConfig
+from typing import Any, Literal
 
 from alembic import context
 
-from memlm.db.models import Base
+from memlm.db.models import Base, UTCDateTime
 from memlm.db.session import make_engine
 
 config = context.config
@@ -15,6 +16,14 @@ if config.config_file_name is not None and not config.attributes.get("url"):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata
+
+
+def render_item(type_: str, obj: Any, autogen_context: Any) -> str | Literal[False]:
+    """Autogenerate writes memlm's column types as the plain types they emit, so a
+    migration never imports the models (whose code changes after the migration)."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
 
 
 def _url() -> str:
@@ -27,7 +36,9 @@ def _url() -> str:
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, render_item=render_item
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -35,7 +46,9 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, target_metadata=target_metadata)
+        context.configure(
+            connection=connection, target_metadata=target_metadata, render_item=render_item
+        )
         with context.begin_transaction():
             context.run_migrations()
         return
@@ -45,6 +58,7 @@ def run_migrations_online() -> None:
         context.configure(
             connection=conn,
             target_metadata=target_metadata,
+            render_item=render_item,
             render_as_batch=conn.dialect.name == "sqlite",
         )
         with context.begin_transaction():
