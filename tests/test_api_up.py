@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,8 +72,23 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
             assert first["document_id"] == 1 and first["published_at"] == "2016-04-19"
             assert first["snippet"]
     finally:
-        proc.send_signal(signal.SIGINT)
+        # SIGTERM, as a service manager stops it: the scheduler child must stop with it
+        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
     assert "demo: 1 news articles of 1 days queued (1 new" in out
     assert "scheduler started" in out
+    scheduler = int(re.search(r"scheduler pid (\d+)", out).group(1))  # type: ignore[union-attr]
+    deadline = time.monotonic() + 15
+    while _alive(scheduler) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(scheduler), "memlm up left its scheduler running"
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its (gone) parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -109,6 +111,12 @@ def _queue_demo(settings: Any, days: int) -> int:
     return len(docs)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGTERM when the parent dies, even killed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def up(
     host: str = typer.Option("127.0.0.1", help="interface to listen on"),
     port: int = typer.Option(8000, help="port to listen on"),
@@ -131,8 +139,12 @@ def up(
         )
     if demo:
         _queue_demo(settings, demo_days)
-    scheduler = subprocess.Popen([*_SELF, "scheduler"])
+    scheduler = subprocess.Popen([*_SELF, "scheduler"], preexec_fn=_die_with_parent)
     typer.echo(f"scheduler pid {scheduler.pid}; API on http://{host}:{port} (docs at /docs)")
+    # uvicorn shuts down gracefully on SIGTERM, then restores this handler and raises the
+    # signal again: leaving through SystemExit runs the `finally` that stops the scheduler
+    # (the default handler would end the process there and orphan it).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         _serve(settings.model_copy(update={"embedded_worker": True}), host, port)
     finally:
