@@ -46,6 +46,15 @@ class Settings(BaseSettings):
     knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
     # Retrieval gate: skip the search when the calibrator's lambda is below this (0: off).
     gate_theta: float = Field(default=0.0, ge=0.0, le=1.0)
+    # The NN calibrator: each rebuild trains it on held-out tokens recorded while ingesting
+    # (docs/calibrator.md). Off: no records, no training (an existing calibrator still serves).
+    calibrator_training: bool = True
+    # Seeded share of ingested documents recorded (plus the first document of each day).
+    calibrator_sample: float = Field(default=0.05, ge=0.0, le=1.0)
+    # At most this many recorded tokens a day (~560 bytes each at k = 64).
+    calibrator_day_tokens: int = Field(default=2048, ge=1)
+    # A rebuild trains only once the training set holds this many held-out tokens.
+    calibrator_min_tokens: int = Field(default=512, ge=1)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 
