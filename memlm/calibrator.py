@@ -390,7 +390,7 @@ def validation_mask(n: int, cfg: CalibratorConfig, salt: int) -> np.ndarray:
     held = rng.random(blocks) < cfg.val_share
     if blocks >= 2 and cfg.val_share > 0 and not held.any():
         held[rng.integers(blocks)] = True
-    if held.all():
+    if blocks and held.all():  # a day without tokens (none had a neighbour) holds none out
         held[rng.integers(blocks)] = False
     return np.repeat(held, cfg.val_block)[:n]
 

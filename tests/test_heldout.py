@@ -95,3 +95,17 @@ def test_training_set_merges_each_document_once(tmp_path: Path) -> None:
     assert served.add_heldout(arrays(-1, 8, 2), version=3) == 2
     assert served.drop_document(2) == 2 and served.drop_document(2) == 0
     assert served.training_index() == ({1, 3}, {7: 3, 8: 8})
+
+
+def test_retrain_with_a_day_whose_tokens_have_no_neighbour(tmp_path: Path) -> None:
+    from memlm.knnlm import KnnParams
+
+    served = ServedCalibration(tmp_path, vocab_size=16)
+    empty = arrays(1, 7, 40)  # the stream's first document: the memory was empty
+    empty["values"][:] = -1
+    empty["distances"][:] = np.inf
+    served.add_heldout(stack([empty, arrays(2, 8, 100)]), version=1)
+    report = served.retrain(KnnParams(k=10, temperature=1.0, lmbda=0.25), tmp_path / "idx", 1)
+    assert report["trained"] is True and report["training_tokens"] == 140
+    assert report["calibrator"]["train_tokens"] + report["calibrator"]["val_tokens"] == 100
+    assert (tmp_path / "idx" / "v000001" / "calibrator" / "calibrator.json").exists()
