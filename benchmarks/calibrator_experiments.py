@@ -341,6 +341,7 @@ def main() -> None:
             "bare": ppl(test["target_lm_logprob"][news]),
             "constant": ppl(const[news]),
             "calibrated": _mean_sd([ppl(c.logprobs[news]) for c in cals]),
+            "calibrated_per_seed": [ppl(c.logprobs[news]) for c in cals],  # seed 0 = memlm eval's
             "mean_lambda": float(np.mean([c.lambdas[news].mean() for c in cals])),
             "train_reports": cals[0].reports,
         }

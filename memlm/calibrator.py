@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ GATE_FEATURES = ("conf", "entropy", "log_freq", "log_succ")
 # next to any LM probability and keeps gradients finite.
 _KNN_FLOOR = -60.0
 CALIBRATOR_DIR = "calibrator"  # beside each index version: v000042/calibrator/
+TRAIN_FILE = "calibrator-train.npz"  # the held-out tokens merged so far (data directory)
 
 
 def features_of_groups(groups: Sequence[str], *, query: bool = False) -> tuple[str, ...]:
@@ -388,7 +390,7 @@ def validation_mask(n: int, cfg: CalibratorConfig, salt: int) -> np.ndarray:
     held = rng.random(blocks) < cfg.val_share
     if blocks >= 2 and cfg.val_share > 0 and not held.any():
         held[rng.integers(blocks)] = True
-    if held.all():
+    if blocks and held.all():  # a day without tokens (none had a neighbour) holds none out
         held[rng.integers(blocks)] = False
     return np.repeat(held, cfg.val_block)[:n]
 
@@ -422,12 +424,16 @@ class StreamCalibrator:
     def add_day(self, data: TrainingSet, day: int) -> dict[str, Any]:
         """Add one day's tokens (split into train / validation) and retrain."""
         self.add_history(data, day)
+        return self.fit(day)
+
+    def fit(self, day: int) -> dict[str, Any]:
+        """Retrain on every token added so far (``day``: the newest, for the seed and report)."""
         if not self.train_parts:
             return {"day": day, "trained": False}
         train = TrainingSet.concat(self.train_parts)
         val = TrainingSet.concat(self.val_parts)
         if self.model is None:
-            self.model = Calibrator(self.cfg, {n: v.shape[1] for n, v in data.feats.items()})
+            self.model = Calibrator(self.cfg, {n: v.shape[1] for n, v in train.feats.items()})
             self.first_size = len(train)
         self.model.fit_standardisation(train.feats)
         epochs = epochs_for(self.cfg, self.first_size, len(train))
@@ -546,10 +552,11 @@ class ServedCalibration:
     """Lexical statistics, the held-out training set and the per-version calibrator + gate.
 
     Files (``data_dir`` of an engine): ``lexical.npz`` (updated after every ingested
-    document), ``calibrator-train.npz`` (every held-out token given to ``train`` so far),
-    and, beside each index build ``index/v000042/``: ``lexical.npz`` (the statistics the
-    build saw), ``calibrator/`` and ``gate/`` (trained for that version).  A process that
-    serves version v loads v's calibrator, or the newest older one when v has none yet.
+    document), ``calibrator-train.npz`` (every held-out token merged so far, with the index
+    version it was merged for), and, beside each index build ``index/v000042/``:
+    ``lexical.npz`` (the statistics the build saw), ``calibrator/`` and ``gate/`` (trained
+    for that version).  A process that serves version v loads v's calibrator, or the
+    newest older one when v has none yet.
     """
 
     def __init__(self, data_dir: Path, vocab_size: int, *, theta: float = 0.0):
@@ -562,13 +569,22 @@ class ServedCalibration:
         self.served_lexical = self.lexical  # the active version's snapshot once loaded
         self._loaded: tuple[str, int] | None = None  # (version dir, mtime) of the loaded model
         self.version: int | None = None
+        self.loaded_version: int | None = None  # the version directory the model came from
         self.calibrator: Calibrator | None = None
         self.gate: Calibrator | None = None
+        # documents in the training set and its tokens per day; this process writes the file
+        self._index: tuple[set[int], dict[int, int]] | None = None
 
-    def observe(self, token_ids: Sequence[int]) -> None:
-        """Count one ingested document's tokens and persist the statistics."""
-        self.lexical.update(np.asarray(token_ids, np.int64))
+    @property
+    def train_path(self) -> Path:
+        return self.data_dir / TRAIN_FILE
+
+    def observe(self, token_ids: Sequence[int], doc_id: int | None = None) -> bool:
+        """Count one ingested document's tokens once and persist; False if counted before."""
+        if not self.lexical.update(np.asarray(token_ids, np.int64), doc_id):
+            return False
         self.lexical.save(self.data_dir / "lexical.npz")
+        return True
 
     def snapshot(self, index_root: Path, version: int) -> None:
         """Save the lexical statistics beside a new index build."""
@@ -587,7 +603,7 @@ class ServedCalibration:
         if not usable:
             self.calibrator = self.gate = None
             self.served_lexical = self.lexical
-            self._loaded = None
+            self._loaded = self.loaded_version = None
             return False
         vdir = root / f"v{max(usable):06d}"
         stamp = (str(vdir), (vdir / CALIBRATOR_DIR / "calibrator.json").stat().st_mtime_ns)
@@ -600,7 +616,7 @@ class ServedCalibration:
         self.served_lexical = (
             LexicalStats.load(lex, self.vocab_size) if lex.exists() else self.lexical
         )
-        self._loaded = stamp
+        self._loaded, self.loaded_version = stamp, max(usable)
         return True
 
     def gate_mask(
@@ -627,6 +643,75 @@ class ServedCalibration:
         feats = token_features(top_logprob, entropy, lex, distances, values)
         return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
 
+    # --- the training set ----------------------------------------------------------------
+
+    def training_rows(self) -> dict[str, np.ndarray]:
+        """Every held-out token merged so far (empty dict when none)."""
+        if not self.train_path.exists():
+            return {}
+        with np.load(self.train_path) as z:
+            rows = {k: z[k] for k in z.files}
+        if "merged_for" not in rows:  # written before the column existed: all of it is old
+            rows["merged_for"] = np.full(len(rows["day"]), -1, np.int32)
+        return rows
+
+    def training_index(self) -> tuple[set[int], dict[int, int]]:
+        """The stream documents in the training set and its tokens per day."""
+        if self._index is None:
+            docs: set[int] = set()
+            days: dict[int, int] = {}
+            if self.train_path.exists():
+                with np.load(self.train_path) as z:
+                    doc, day = z["doc"], z["day"]
+                docs = set(np.unique(doc[doc >= 0]).tolist())
+                u, c = np.unique(day, return_counts=True)
+                days = dict(zip(u.tolist(), c.tolist(), strict=True))
+            self._index = (docs, days)
+        return self._index
+
+    def _write_training_set(self, rows: dict[str, np.ndarray]) -> None:
+        tmp = self.train_path.with_suffix(".tmp.npz")
+        arrays: dict[str, Any] = rows
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.train_path)
+        self._index = None
+
+    def add_heldout(self, split: dict[str, np.ndarray], version: int) -> int:
+        """Merge held-out tokens into the training set for ``version``; returns rows added.
+
+        ``doc`` >= 0 names a stream document: rows of a document already in the set are
+        dropped, so merging the same record twice (a crash before its file was deleted)
+        adds it once.  Negative ``doc`` values are texts given to ``Engine.train_calibrator``.
+        """
+        from memlm.heldout import stack
+
+        new = {k: np.asarray(v) for k, v in split.items()}
+        if not new or not len(new["day"]):
+            return 0
+        docs, _ = self.training_index()
+        keep = (new["doc"] < 0) | ~np.isin(new["doc"], np.fromiter(docs, np.int64, len(docs)))
+        new = {k: v[keep] for k, v in new.items()}
+        if not len(new["day"]):
+            return 0
+        new["merged_for"] = np.full(len(new["day"]), version, np.int32)
+        old = self.training_rows()
+        self._write_training_set(stack([old, new]) if old else new)
+        return len(new["day"])
+
+    def drop_document(self, doc_id: int) -> int:
+        """Remove a forgotten document's rows from the training set; returns how many."""
+        if doc_id not in self.training_index()[0]:
+            return 0
+        rows = self.training_rows()
+        keep = rows["doc"] != doc_id
+        self._write_training_set({k: v[keep] for k, v in rows.items()})
+        return int((~keep).sum())
+
+    # --- training --------------------------------------------------------------------------
+
     def train(
         self,
         split: dict[str, np.ndarray],
@@ -637,47 +722,109 @@ class ServedCalibration:
         gate: CalibratorConfig | None = None,
     ) -> dict[str, Any]:
         """Add held-out tokens (EvalTokens-like arrays), retrain both models, save for version."""
+        self.add_heldout(split, version)
+        return self.retrain(params, index_root, version, cfg=cfg, gate=gate)
+
+    def retrain(
+        self,
+        params: KnnParams,
+        index_root: Path,
+        version: int,
+        *,
+        min_tokens: int = 1,
+        cfg: CalibratorConfig | None = None,
+        gate: CalibratorConfig | None = None,
+    ) -> dict[str, Any]:
+        """Train the calibrator and the gate for ``version`` on the tokens merged so far.
+
+        Warm start from the newest earlier version: rows merged after it was trained join
+        the set and one retrain follows (App. A.3's shrinking epochs); without an earlier
+        version each day retrains in turn, as in the evaluation.  Nothing new, or fewer
+        than ``min_tokens`` tokens: no training, and the earlier version's models are
+        copied beside ``version`` (so pruning old index versions never loses them).
+        Returns a JSON-safe report (what the index build record keeps).
+        """
+        t0 = time.perf_counter()
         cfg = with_prior(cfg or CalibratorConfig(), params)
         gate = with_prior(gate or gate_config(), params)
-        store = self.data_dir / "calibrator-train.npz"
-        old: dict[str, np.ndarray] = {}
-        if store.exists():
-            with np.load(store) as z:
-                old = {k: z[k] for k in z.files}
-        new = {k: np.asarray(v) for k, v in split.items()}
-        both = {k: np.concatenate([old[k], new[k]]) if old else new[k] for k in new}
-        tmp = store.with_suffix(".tmp.npz")
-        arrays: dict[str, Any] = both
-        np.savez(tmp, **arrays)
-        os.replace(tmp, store)
-        vdir = Path(index_root) / f"v{version:06d}"
-        reports = {}
-        new_days = set(new["day"].tolist())
+        root = Path(index_root)
+        rows = self.training_rows()
+        total = len(rows["day"]) if rows else 0
+        prev = self._previous(root, CALIBRATOR_DIR, version)
+        since = -2 if prev is None else int(prev[1].meta.get("index_version", prev[0]))
+        fresh = rows["merged_for"] > since if rows else np.zeros(0, bool)
+        report: dict[str, Any] = {"training_tokens": total, "new_tokens": int(fresh.sum())}
+        reason = None
+        if not fresh.any():
+            reason = "no new held-out tokens"
+        elif total < min_tokens:
+            reason = f"{total} held-out tokens, fewer than the {min_tokens} training needs"
+        if reason is not None:
+            carried = self._carry_forward(root, version)
+            return {**report, "trained": False, "reason": reason, "carried_from": carried}
+        new_days = set(rows["day"][fresh].tolist())
+        vdir = root / f"v{version:06d}"
         for name, c in ((CALIBRATOR_DIR, cfg), ("gate", gate)):
-            # Warm start from the newest earlier version: the old days only join the
-            # training set, the new days each retrain it (App. A.3's shrinking epochs).
             stream = StreamCalibrator(c)
-            prev = self._previous(Path(index_root), name, version)
-            for day in sorted(set(both["day"].tolist())):
-                part = training_set(_rows(both, both["day"] == day), params, c.features)
-                if prev is not None and day not in new_days:
-                    stream.add_history(part, int(day))
-                    continue
-                if prev is not None and stream.model is None:
-                    stream.model = prev
-                    stream.first_size = int(prev.meta.get("first_size", len(part)))
-                    stream.versions = int(prev.meta.get("version", 0))
-                stream.add_day(part, int(day))
-            if stream.model is not None and stream.reports:
-                stream.model.meta["index_version"] = version
-                stream.model.save(vdir / name)
-                reports[name] = stream.reports[-1]
-        return reports
+            earlier = self._previous(root, name, version)
+            days = sorted(set(rows["day"].tolist()))
+            parts = {
+                d: training_set(_rows(rows, rows["day"] == d), params, c.features) for d in days
+            }
+            if earlier is None:
+                for day in days:
+                    stream.add_day(parts[day], int(day))
+            else:
+                model = earlier[1]
+                stream.model = model
+                stream.first_size = int(model.meta.get("first_size", len(parts[days[0]])))
+                stream.versions = int(model.meta.get("version", 0))
+                for day in days:
+                    stream.add_history(parts[day], int(day))
+                stream.fit(int(max(new_days)))
+            if stream.model is None or not stream.reports:
+                continue
+            stream.model.meta["index_version"] = version
+            stream.model.save(vdir / name)
+            last = stream.reports[-1]
+            report[name] = {
+                "epochs": int(last["epochs"]),
+                "best_epoch": int(last["best_epoch"]),
+                "val_nll": _finite(last["val_nll"]),
+                "train_tokens": int(last["train_tokens"]),
+                "val_tokens": int(last["val_tokens"]),
+                "warm_start": earlier is not None,
+            }
+        report.update(trained=CALIBRATOR_DIR in report, seconds=round(time.perf_counter() - t0, 3))
+        if not report["trained"]:
+            report.update(reason="no held-out token has a neighbour in the memory")
+            report["carried_from"] = self._carry_forward(root, version)
+        return report
 
     @staticmethod
-    def _previous(root: Path, name: str, version: int) -> Calibrator | None:
+    def _previous(root: Path, name: str, version: int) -> tuple[int, Calibrator] | None:
         found = sorted(
             int(p.parent.parent.name[1:]) for p in root.glob(f"v*/{name}/calibrator.json")
         )
         earlier = [v for v in found if v < version]
-        return Calibrator.load(root / f"v{earlier[-1]:06d}" / name) if earlier else None
+        if not earlier:
+            return None
+        return earlier[-1], Calibrator.load(root / f"v{earlier[-1]:06d}" / name)
+
+    def _carry_forward(self, root: Path, version: int) -> int | None:
+        """Copy the newest earlier calibrator and gate beside ``version``; their version."""
+        carried = None
+        for name in (CALIBRATOR_DIR, "gate"):
+            prev = self._previous(root, name, version)
+            target = root / f"v{version:06d}" / name
+            if prev is None or (target / "calibrator.json").exists():
+                continue
+            prev[1].meta["carried_from"] = prev[0]
+            prev[1].save(target)
+            carried = prev[0] if name == CALIBRATOR_DIR else carried
+        return carried
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN: an empty validation split reports None."""
+    return float(x) if math.isfinite(x) else None

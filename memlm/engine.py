@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memlm.calibrator import ServedCalibration
+from memlm.calibrator import TOP_N, ServedCalibration
 from memlm.datastore import Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
+from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
@@ -48,6 +49,13 @@ class IngestResult:
     tokens_stored: int
     first_entry: int  # datastore ids [first_entry, end_entry) hold this document's entries
     end_entry: int
+
+
+@dataclass(frozen=True)
+class RebuildInfo(BuildInfo):
+    """A new index version and what the calibrator training at that build did."""
+
+    calibrator: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ class Engine:
         policy: Policy | None = None,
         window: WindowConfig | None = None,
         gate_theta: float = 0.0,
+        heldout: HeldOutConfig | None = None,
         readonly: bool = False,
     ):
         self.data_dir = Path(data_dir)
@@ -137,6 +146,8 @@ class Engine:
         # lambda per token from the calibrator trained for the served index version
         self.calibration = ServedCalibration(self.data_dir, encoder.vocab_size, theta=gate_theta)
         self.calibration.load_for(self.data_dir / "index", self.index.version)
+        # held-out tokens recorded while ingesting, for the calibrator of the next build
+        self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
 
     @classmethod
     def open(
@@ -152,6 +163,7 @@ class Engine:
         encoder: Encoder | None = None,
         window: WindowConfig | None = None,
         gate_theta: float = 0.0,
+        heldout: HeldOutConfig | None = None,
         readonly: bool = False,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
@@ -164,6 +176,7 @@ class Engine:
             policy=pol,
             window=window,
             gate_theta=gate_theta,
+            heldout=heldout,
             readonly=readonly,
         )
 
@@ -204,15 +217,22 @@ class Engine:
         policy: Policy | str | None = None,
         crash_at: str | None = None,
     ) -> IngestResult:
-        """Encode, score against the memory served now, apply the policy, append durably."""
+        """Encode, score against the memory served now, apply the policy, append durably.
+
+        A sampled document's held-out tokens are recorded for the calibrator first (they
+        were scored against the memory before its own entries join it).
+        """
         self._check_writer()
         pol = self._policy(policy)
         token_ids, out = self._encode(text)
+        search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
-            scores, _ = self._scores(out, pol)
+            scores, (dist, _, vals) = self._scores(out, pol)
+            search = (dist, vals)
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
+        self._record_heldout(doc_id, day, out, search)
         mask = pol.decide(scores)
         n = int(mask.sum())
         with self._write_lock:
@@ -227,10 +247,53 @@ class Engine:
                 )
                 self.index.refresh()
             end = len(self.datastore)
-            self.calibration.observe(token_ids)
+            self.calibration.observe(token_ids, doc_id)  # once, even when processed again
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         return IngestResult(len(out), n, first, end)
+
+    def _record_heldout(
+        self,
+        doc_id: int,
+        day: int,
+        out: TokenOutputs,
+        search: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        """Record the document's held-out tokens for the calibrator if it is sampled.
+
+        ``search``: the policy's (distances, values) against the memory served now, reused
+        when it holds enough neighbours; FullMem and RandMem do not search, so a sampled
+        document costs them one search here.
+        """
+        if not self.heldout.cfg.enabled or self.calibration.lexical.counted(doc_id):
+            return  # counted before: processed again after a crash, its record stands
+        docs, day_tokens = self.calibration.training_index()
+        budget = self.heldout.budget(doc_id, day, docs, day_tokens)
+        if budget <= 0:
+            return
+        rows = self.heldout.rows(doc_id, len(out), budget)
+        width = max(self.knn.k, TOP_N)  # p_kNN's k neighbours and the 10 density features
+        if search is not None and search[0].shape[1] >= width:
+            dist, vals = search[0][rows, :width], search[1][rows, :width]
+        else:
+            dist, _, vals = self.index.search_values(out.keys[rows], width)
+        n = len(rows)
+        self.heldout.record(
+            doc_id,
+            day,
+            {
+                "target_lm_logprob": out.target_logprob[rows].astype(np.float32),
+                "distances": dist.astype(np.float32),  # (n, width) squared L2
+                "values": vals.astype(np.int32),  # (n, width), -1 pads
+                "gold": out.targets[rows].astype(np.int64),
+                "top_logprob": out.top_logprob[rows].astype(np.float32),
+                "entropy": out.entropy[rows].astype(np.float32),
+                # the statistics before this document is counted (observe() comes later)
+                "lexical": self.calibration.lexical.features(out.prev_tokens[rows]),
+                "day": np.full(n, day, np.int32),
+                "doc": np.full(n, doc_id, np.int64),
+            },
+        )
 
     def predict(
         self,
@@ -516,8 +579,8 @@ class Engine:
 
     def rebuild(
         self, *, crash_at: str | None = None, params: IndexParams | None = None
-    ) -> BuildInfo:
-        """Build a new index version from the live entries and serve it."""
+    ) -> RebuildInfo:
+        """Build a new index version, train its calibrator on the held-out tokens, serve both."""
         self._check_writer()
         with self._build_lock:
             info = build_index(
@@ -525,9 +588,33 @@ class Engine:
             )
             self.calibration.snapshot(self.data_dir / "index", info.version)
             prune(self.data_dir / "index", keep=3)
+            report = self._calibrate_for(info.version)
         self.index.reload()
         self.calibration.load_for(self.data_dir / "index", self.index.version)
-        return info
+        return RebuildInfo(
+            **{f.name: getattr(info, f.name) for f in fields(info)}, calibrator=report
+        )
+
+    def _calibrate_for(self, version: int) -> dict[str, Any]:
+        """Merge the pending held-out tokens and train the calibrator of ``version``."""
+        cfg = self.heldout.cfg
+        if not cfg.enabled:
+            return {"trained": False, "reason": "calibrator training is off"}
+        try:
+            pending = self.heldout.pending()
+            merged = self.calibration.add_heldout(self.heldout.load(pending.paths), version)
+            # Deleted only once the merge is durable; a crash in between merges them again,
+            # and add_heldout drops the rows of documents it already holds.
+            self.heldout.remove(pending.paths)
+            report = self.calibration.retrain(
+                self.knn, self.data_dir / "index", version, min_tokens=cfg.min_tokens
+            )
+        except Exception:  # the index is built and good: serve it with the older calibrator
+            log.exception("training the calibrator for index version %d failed", version)
+            return {"trained": False, "reason": "training failed (details in the worker log)"}
+        report = {"merged_tokens": merged, **report}
+        log.info("calibrator for index version %d: %s", version, report)
+        return report
 
     def train_calibrator(self, texts: list[str], day: int) -> dict[str, Any]:
         """Add held-out documents of ``day`` to the calibrator's set, retrain, serve it.
@@ -541,13 +628,14 @@ class Engine:
             raise EngineInputError("build an index before training the calibrator")
         outs = [self._encode(t)[1] for t in texts]
         o = TokenOutputs.concat(outs)
-        dist, _, vals = self.index.search_values(o.keys, max(self.knn.k, 10))
+        dist, _, vals = self.index.search_values(o.keys, max(self.knn.k, TOP_N))
         split: dict[str, np.ndarray] = {
             "target_lm_logprob": o.target_logprob.astype(np.float64),
             "distances": dist,
             "values": vals,
             "day": np.full(len(o), day, np.int32),
-            "doc": np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(outs)]),
+            # negative: not stream documents (those have ids >= 0 and are merged once)
+            "doc": np.concatenate([np.full(len(x), -1 - i, np.int64) for i, x in enumerate(outs)]),
             "gold": o.targets,
             "top_logprob": o.top_logprob,
             "entropy": o.entropy,
@@ -572,10 +660,17 @@ class Engine:
         return changed
 
     def forget_document(self, doc_id: int) -> int:
-        """Hide every entry of a document from search and from later builds."""
+        """Hide every entry of a document from search and from later builds.
+
+        Its held-out tokens leave the calibrator's pending records and training set too
+        (the lexical statistics keep its counts: they cannot be taken apart by document).
+        """
         self._check_writer()
         with self._write_lock:
-            return self.datastore.delete_document(doc_id)
+            hidden = self.datastore.delete_document(doc_id)
+        self.heldout.drop_document(doc_id)
+        self.calibration.drop_document(doc_id)
+        return hidden
 
     def truncate_datastore(self, n: int) -> None:
         """Roll back entries with ids >= n (their documents were never committed)."""
@@ -612,9 +707,21 @@ class Engine:
             "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
-            "calibrator": {
-                "active": self.calibration.calibrator is not None,
-                "gate": self.calibration.gate is not None,
-                "gate_theta": self.calibration.theta,
-            },
+            "calibrator": self._calibrator_stats(),
+        }
+
+    def _calibrator_stats(self) -> dict[str, Any]:
+        """Which calibrator is served (the index version it lives beside) and its training."""
+        cal = self.calibration.calibrator
+        meta = cal.meta if cal is not None else {}
+        return {
+            "active": cal is not None,
+            "index_version": self.calibration.loaded_version,
+            "trained_for": meta.get("index_version"),
+            "train_tokens": meta.get("train_tokens"),
+            "val_tokens": meta.get("val_tokens"),
+            "gate": self.calibration.gate is not None,
+            "gate_theta": self.calibration.theta,
+            "training": self.heldout.cfg.enabled,
+            "pending_tokens": self.heldout.pending().tokens,
         }

@@ -51,6 +51,15 @@ class Settings(BaseSettings):
     # tau of TRIME local / long-term memory for requests that ask for it and name none
     # (the value `memlm eval --local-memory` tuned on dev for SmolLM2, docs/trime.md).
     trime_tau: float = Field(default=DEFAULT_TAU, gt=0)
+    # The NN calibrator: each rebuild trains it on held-out tokens recorded while ingesting
+    # (docs/calibrator.md). Off: no records, no training (an existing calibrator still serves).
+    calibrator_training: bool = True
+    # Seeded share of ingested documents recorded (plus the first document of each day).
+    calibrator_sample: float = Field(default=0.05, ge=0.0, le=1.0)
+    # At most this many recorded tokens a day (~560 bytes each at k = 64).
+    calibrator_day_tokens: int = Field(default=2048, ge=1)
+    # A rebuild trains only once the training set holds this many held-out tokens.
+    calibrator_min_tokens: int = Field(default=512, ge=1)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 

@@ -230,6 +230,20 @@ class IndexOut(BaseModel):
     served_version: str | None
 
 
+class CalibratorOut(BaseModel):
+    active: bool = Field(description="a calibrator sets lambda per token (else the constant)")
+    index_version: str | None = Field(
+        description="the index version whose calibrator is served (the served one or older)"
+    )
+    trained_for: str | None = Field(description="the index version it was trained for")
+    train_tokens: int | None = None
+    val_tokens: int | None = None
+    gate: bool = Field(description="a retrieval gate is loaded")
+    gate_theta: float
+    training: bool = Field(description="each rebuild trains it on recorded held-out tokens")
+    pending_tokens: int = Field(description="held-out tokens waiting for the next rebuild")
+
+
 class StatsResponse(BaseModel):
     entries: int = Field(description="live entries in the served memory")
     datastore_entries: int = Field(description="entries on disk, forgotten ones included")
@@ -243,6 +257,7 @@ class StatsResponse(BaseModel):
     bytes_in_ram: int | None
     index: IndexOut
     policy: PolicyOut
+    calibrator: CalibratorOut | None = None
 
 
 class PolicyIn(Strict):
@@ -287,6 +302,9 @@ class BuildOut(BaseModel):
     requested_at: dt.datetime | None
     finished_at: dt.datetime | None
     error: str | None
+    calibrator: dict[str, Any] | None = Field(
+        None, description="what training the calibrator for this version did"
+    )
 
 
 class ForgetResponse(BaseModel):
@@ -299,6 +317,7 @@ class Health(BaseModel):
     status: str
     model: str | None = None
     index_version: str | None = None
+    calibrator_version: str | None = None
 
 
 StatsResponse.model_rebuild()

@@ -27,6 +27,7 @@ class AppState:
     engine: EngineLike | None = None  # None while the model loads
     load_error: str | None = None
     served_version: str | None = None
+    calibrator_version: str | None = None  # the index version whose calibrator is served
     policy_factory: Any = None
     # Last values the poller saw, for /metrics (the scrape never touches the model).
     cached: dict[str, Any] = field(default_factory=dict)

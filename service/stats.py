@@ -15,7 +15,7 @@ from memlm.db.repositories import (
     StatsRepository,
 )
 from memlm.settings import Settings
-from service.schemas import DayStatOut, IndexOut, PolicyOut, StatsResponse
+from service.schemas import CalibratorOut, DayStatOut, IndexOut, PolicyOut, StatsResponse
 
 
 def _rate(stored: int, seen: int) -> float:
@@ -86,4 +86,15 @@ def summarise(
             served_version=served,
         ),
         policy=policy_out(db["policy"]),
+        calibrator=calibrator_out(engine_stats.get("calibrator")),
     )
+
+
+def calibrator_out(cal: dict[str, Any] | None) -> CalibratorOut | None:
+    """The engine's calibrator figures (versions as strings, like the index's)."""
+    if cal is None:
+        return None
+    versions = {
+        k: None if cal.get(k) is None else str(cal[k]) for k in ("index_version", "trained_for")
+    }
+    return CalibratorOut.model_validate({**cal, **versions})

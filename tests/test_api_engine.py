@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
@@ -18,10 +19,11 @@ from sqlalchemy import select
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
 from tests.service_helpers import ADMIN, INGEST, doc, make_settings
-from workers.engine import open_engine, policy_factory
+from workers.engine import day_number, open_engine, policy_factory
 from workers.ingest import IngestWorker
 
 TEXT = (
@@ -131,7 +133,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
 def test_worker_process_killed_between_append_and_commit(
     tmp_path: Path, sqlite_url: str, tiny: Any, make_sessions: Any
 ) -> None:
-    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama")
+    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama", calibrator_sample=1.0)
     sessions = make_sessions(sqlite_url)
     with sessions.begin() as s:
         ids = [
@@ -150,6 +152,7 @@ def test_worker_process_killed_between_append_and_commit(
         "MEMLM_INGEST_TOKEN": "i",
         "MEMLM_ADMIN_TOKEN": "a",
         "MEMLM_THREADS": "1",
+        "MEMLM_CALIBRATOR_SAMPLE": "1.0",  # both documents are recorded for the calibrator
     }
     proc = subprocess.run(
         [sys.executable, "-m", "memlm.cli", "worker", "--crash-at", "after_append"],
@@ -189,6 +192,19 @@ def test_worker_process_killed_between_append_and_commit(
         [day] = s.scalars(select(DayStat)).all()
         assert (day.documents, day.tokens_stored) == (2, n_first + n_second)
     assert engine.stats()["entries"] == n_first + n_second
+    # The killed run had recorded the first document's held-out tokens and counted its
+    # lexical statistics; the re-run did neither again.
+    pending = sorted(p.name for p in (settings.datastore_dir / "calibrator-pending").iterdir())
+    assert pending == [
+        f"d{day_number(dt.date(2017, 2, 7))}-doc{ids[0]}-n{n_first}.npz",
+        f"d{day_number(dt.date(2017, 2, 7))}-doc{ids[1]}-n{n_second}.npz",
+    ]
+    want = LexicalStats(tiny.vocab_size)
+    for t in (TEXT, OTHER):
+        want.update(np.asarray(tiny.tokenize(t)))
+    lex = LexicalStats.load(settings.datastore_dir / "lexical.npz", tiny.vocab_size)
+    assert np.array_equal(lex.count, want.count) and lex.docs == set(ids)
+    assert np.array_equal(lex.successors, want.successors)
 
 
 @pytest.mark.slow

@@ -253,9 +253,24 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     assert (vdir / "lexical.npz").exists()
     assert eng.predict("The harbour authority in Port").lam == 0.5  # no calibrator yet
     report = eng.train_calibrator([NEWS], day=19000)
-    assert set(report) == {"calibrator", "gate"} and report["calibrator"]["day"] == 19000
+    n = len(enc.tokenize(NEWS)) - 1
+    assert report["trained"] is True and report["training_tokens"] == report["new_tokens"] == n
+    assert report["calibrator"]["epochs"] == 5 and report["calibrator"]["warm_start"] is False
+    assert report["calibrator"]["train_tokens"] + report["calibrator"]["val_tokens"] == n
+    assert report["gate"]["epochs"] == 5
     assert (vdir / "calibrator" / "calibrator.json").exists() and (vdir / "gate").exists()
-    assert eng.stats()["calibrator"] == {"active": True, "gate": True, "gate_theta": 0.0}
+    cal_meta = Calibrator.load(vdir / "calibrator").meta
+    assert eng.stats()["calibrator"] == {
+        "active": True,
+        "index_version": info.version,
+        "trained_for": info.version,
+        "train_tokens": cal_meta["train_tokens"],
+        "val_tokens": n - cal_meta["train_tokens"],
+        "gate": True,
+        "gate_theta": 0.0,
+        "training": False,
+        "pending_tokens": 0,
+    }
     pred = eng.predict("The harbour authority in Port")
     ids = enc.tokenize("The harbour authority in Port")
     out = enc.encode_ids(ids + [ids[0]])  # the last row predicts after "Port"

@@ -14,3 +14,16 @@ def test_counts_and_distinct_successors(tmp_path):
     s.save(tmp_path / "lex.npz")
     t = LexicalStats.load(tmp_path / "lex.npz", 10)
     assert np.array_equal(t.count, s.count) and np.array_equal(t.successors, s.successors)
+
+
+def test_a_document_is_counted_once_across_saves(tmp_path):
+    s = LexicalStats(10)
+    assert s.update(np.array([1, 2, 1]), doc_id=5) is True
+    s.save(tmp_path / "lex.npz")
+    t = LexicalStats.load(tmp_path / "lex.npz", 10)
+    assert t.counted(5) and not t.counted(6)
+    # processed again after a crash: the statistics do not move
+    assert t.update(np.array([1, 2, 1]), doc_id=5) is False
+    assert t.count[1] == 1 and t.count[2] == 1 and t.successors[1] == 1
+    assert t.update(np.array([1, 3]), doc_id=6) is True
+    assert t.count[1] == 2 and t.successors[1] == 2 and t.docs == {5, 6}

@@ -60,12 +60,16 @@ def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str
             BuildRepository(s).fail(build_id, "the index build failed (details in the worker log)")
         return key
     seconds = time.perf_counter() - t0
+    params = _params(info)
+    calibrator = getattr(info, "calibrator", None)
+    if calibrator is not None:  # what the calibrator training at this build did
+        params["calibrator"] = calibrator
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,
             version=str(info.version),
             entries=int(info.entries),
-            params=_params(info),
+            params=params,
             seconds=seconds,
         )
     log.info("index version %s built: %d entries in %.1f s", info.version, info.entries, seconds)

@@ -48,6 +48,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     import inspect
 
     from memlm.engine import Engine  # heavy: torch, transformers, faiss
+    from memlm.heldout import HeldOutConfig
     from memlm.knnlm import KnnParams
 
     extra: dict[str, Any] = {}
@@ -75,6 +76,12 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         threads=settings.threads,
         encoder=encoder,
         gate_theta=settings.gate_theta,
+        heldout=HeldOutConfig(
+            enabled=settings.calibrator_training,  # a read-only engine never records
+            share=settings.calibrator_sample,
+            day_tokens=settings.calibrator_day_tokens,
+            min_tokens=settings.calibrator_min_tokens,
+        ),
         **extra,
     )
     return engine

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+
+class LambdaMode(StrEnum):
+    """How test tokens mix the LM and the memory (``--lambda``)."""
+
+    constant = "constant"  # one lambda tuned on dev
+    calibrated = "calibrated"  # the NN calibrator trained day by day on dev
 
 
 def eval_command(
@@ -26,9 +34,11 @@ def eval_command(
     context: int = typer.Option(512, help="window length in tokens"),
     stride: int = typer.Option(256, help="window stride in tokens"),
     batch_size: int = typer.Option(4, help="windows per forward pass"),
-    k: int = typer.Option(64, help="neighbours used while ingesting (MoNIM's augmented model)"),
-    temperature: float = typer.Option(5.0, help="kNN temperature while ingesting"),
-    lmbda: float = typer.Option(0.25, "--lambda", help="interpolation weight while ingesting"),
+    ingest_k: int = typer.Option(
+        64, help="neighbours used while ingesting (MoNIM's augmented model)"
+    ),
+    ingest_temperature: float = typer.Option(5.0, help="kNN temperature while ingesting"),
+    ingest_lambda: float = typer.Option(0.25, help="interpolation weight while ingesting"),
     k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
     index_kind: str = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
     seed: int = typer.Option(0),
@@ -40,8 +50,9 @@ def eval_command(
     long_memory: int = typer.Option(
         0, metavar="SEGMENTS", help="TRIME long-term memory: that many earlier windows too"
     ),
-    lambda_mode: str = typer.Option(
-        "constant",
+    lambda_mode: LambdaMode = typer.Option(
+        LambdaMode.constant,
+        "--lambda",
         help="constant (tuned on dev) or calibrated (NN calibrator trained day by day on dev)",
     ),
     gate_theta: float = typer.Option(
@@ -58,11 +69,10 @@ def eval_command(
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
-    if lambda_mode not in ("constant", "calibrated"):
-        raise typer.BadParameter("--lambda-mode must be 'constant' or 'calibrated'")
-    if not 0.0 <= gate_theta < 1.0 or (gate_theta > 0 and lambda_mode != "calibrated"):
+    if not 0.0 <= gate_theta < 1.0 or (gate_theta > 0 and lambda_mode != LambdaMode.calibrated):
         raise typer.BadParameter(
-            "--gate-theta must be in [0, 1) and needs --lambda-mode calibrated"
+            "--gate-theta must be in [0, 1) and needs --lambda calibrated",
+            param_hint="--gate-theta",
         )
     cfg = EvalConfig(
         corpus=corpus,
@@ -77,13 +87,13 @@ def eval_command(
         delta=delta,
         kl_delta=kl_delta,
         rand_rate=rand_rate,
-        ingest=KnnParams(k=k, temperature=temperature, lmbda=lmbda),
+        ingest=KnnParams(k=ingest_k, temperature=ingest_temperature, lmbda=ingest_lambda),
         k_max=k_max,
         index_kind=index_kind,
         threads=threads,
         keep_stores=keep_stores,
         trime=TrimeSpec(long_segments=long_memory) if local_memory or long_memory else None,
-        lambda_mode=lambda_mode,
+        lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
     )
     report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)

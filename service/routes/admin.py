@@ -26,6 +26,7 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminAuth])
 def build_out(b: IndexBuild) -> BuildOut:
     names = ("id", "request_key", "requested_by", "status", "version", "entries", "seconds")
     data = {n: getattr(b, n) for n in (*names, "requested_at", "finished_at", "error")}
+    data["calibrator"] = (b.params or {}).get("calibrator")
     return BuildOut.model_validate(data)
 
 

@@ -29,7 +29,12 @@ def readyz(state: State) -> Response:
     if state.engine is None:
         reason = "model failed to load" if state.load_error else "model loading"
         return JSONResponse({"error": "unavailable", "detail": reason}, status_code=503)
-    body = Health(status="ready", model=state.settings.model, index_version=state.served_version)
+    body = Health(
+        status="ready",
+        model=state.settings.model,
+        index_version=state.served_version,
+        calibrator_version=state.calibrator_version,
+    )
     return JSONResponse(body.model_dump())
 
 
