@@ -548,6 +548,15 @@ def calibrate_stream(
 # --- serving: the calibrator that matches the active index version ------------------------
 
 
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of a file, None when missing: whether someone replaced it."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class ServedCalibration:
     """Lexical statistics, the held-out training set and the per-version calibrator + gate.
 
@@ -559,12 +568,19 @@ class ServedCalibration:
     newest older one when v has none yet.
     """
 
-    def __init__(self, data_dir: Path, vocab_size: int, *, theta: float = 0.0):
+    def __init__(
+        self, data_dir: Path, vocab_size: int, *, theta: float = 0.0, shared: bool = False
+    ):
         from memlm.lexical import LexicalStats
 
         self.data_dir = Path(data_dir)
         self.theta = theta
-        self.lexical = LexicalStats.load(self.data_dir / "lexical.npz", vocab_size)
+        # shared: other writer processes update lexical.npz and the training set too, so
+        # both are re-read when their file changed (lexical updates run under the
+        # datastore's write lock, training-set writes under the build lock)
+        self.shared = shared
+        self._lexical_stat = _stat(self.lexical_path)
+        self.lexical = LexicalStats.load(self.lexical_path, vocab_size)
         self.vocab_size = vocab_size
         self.served_lexical = self.lexical  # the active version's snapshot once loaded
         self._loaded: tuple[str, int] | None = None  # (version dir, mtime) of the loaded model
@@ -572,22 +588,43 @@ class ServedCalibration:
         self.loaded_version: int | None = None  # the version directory the model came from
         self.calibrator: Calibrator | None = None
         self.gate: Calibrator | None = None
-        # documents in the training set and its tokens per day; this process writes the file
+        # documents in the training set and its tokens per day, and the file it was read from
         self._index: tuple[set[int], dict[int, int]] | None = None
+        self._index_stat: tuple[int, int, int] | None = None
 
     @property
     def train_path(self) -> Path:
         return self.data_dir / TRAIN_FILE
 
+    @property
+    def lexical_path(self) -> Path:
+        return self.data_dir / "lexical.npz"
+
+    def refresh_lexical(self) -> bool:
+        """Shared writers: re-read the lexical statistics if another process saved them."""
+        from memlm.lexical import LexicalStats
+
+        stat = _stat(self.lexical_path)
+        if not self.shared or stat == self._lexical_stat:
+            return False
+        fresh = LexicalStats.load(self.lexical_path, self.vocab_size)
+        if self.served_lexical is self.lexical:
+            self.served_lexical = fresh
+        self.lexical, self._lexical_stat = fresh, stat
+        return True
+
     def observe(self, token_ids: Sequence[int], doc_id: int | None = None) -> bool:
         """Count one ingested document's tokens once and persist; False if counted before."""
+        self.refresh_lexical()
         if not self.lexical.update(np.asarray(token_ids, np.int64), doc_id):
             return False
-        self.lexical.save(self.data_dir / "lexical.npz")
+        self.lexical.save(self.lexical_path)
+        self._lexical_stat = _stat(self.lexical_path)
         return True
 
     def snapshot(self, index_root: Path, version: int) -> None:
         """Save the lexical statistics beside a new index build."""
+        self.refresh_lexical()
         self.lexical.save(Path(index_root) / f"v{version:06d}" / "lexical.npz")
 
     def load_for(self, index_root: Path, version: int | None) -> bool:
@@ -657,7 +694,9 @@ class ServedCalibration:
 
     def training_index(self) -> tuple[set[int], dict[int, int]]:
         """The stream documents in the training set and its tokens per day."""
-        if self._index is None:
+        stat = _stat(self.train_path)
+        if self._index is None or stat != self._index_stat:
+            self._index_stat = stat
             docs: set[int] = set()
             days: dict[int, int] = {}
             if self.train_path.exists():

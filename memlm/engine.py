@@ -8,9 +8,11 @@ No database and no HTTP here; the caller commits its own bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, Window
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
+from memlm.locks import FileLock, LockBusy
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.trime_memory import (
     cached_doc_logprobs,
@@ -37,6 +40,7 @@ __all__ = ["Engine", "MemoryOptions", "make_policy"]
 log = logging.getLogger(__name__)
 
 ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
+BUILD_LOCK = "build.lock"  # one index build (and training-set write) at a time
 
 
 class EngineInputError(ValueError):
@@ -49,6 +53,17 @@ class IngestResult:
     tokens_stored: int
     first_entry: int  # datastore ids [first_entry, end_entry) hold this document's entries
     end_entry: int
+
+
+@dataclass(frozen=True)
+class PreparedDocument:
+    """A document encoded, scored and decided on, ready to append (``Engine.store_document``)."""
+
+    doc_id: int
+    day: int
+    token_ids: list[int]
+    outputs: TokenOutputs
+    store: np.ndarray  # (n,) bool: the policy's decision per scored token
 
 
 @dataclass(frozen=True)
@@ -128,23 +143,32 @@ class Engine:
         gate_theta: float = 0.0,
         heldout: HeldOutConfig | None = None,
         readonly: bool = False,
+        shared: bool = False,
     ):
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
+        self.shared = shared  # one of several writer processes; they take turns to append
         self.encoder = encoder
         self.knn = knn or KnnParams()
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
         self.words = WordConfig()
         self.datastore = Datastore.open(
-            self.data_dir / "datastore", dim=None if readonly else encoder.dim, readonly=readonly
+            self.data_dir / "datastore",
+            dim=None if readonly else encoder.dim,
+            readonly=readonly,
+            shared=shared,
         )
         self.index = MemoryIndex(self.datastore, self.data_dir / "index")
-        self._write_lock = threading.Lock()  # one appender (datastore is single-writer)
-        self._build_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one appender per process
+        self._build_lock = threading.RLock()  # building(): this process's holder
+        self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
+        self._building = 0
         self._set_key_ce(self.policy)
         # lambda per token from the calibrator trained for the served index version
-        self.calibration = ServedCalibration(self.data_dir, encoder.vocab_size, theta=gate_theta)
+        self.calibration = ServedCalibration(
+            self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared
+        )
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
         self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
@@ -165,6 +189,7 @@ class Engine:
         gate_theta: float = 0.0,
         heldout: HeldOutConfig | None = None,
         readonly: bool = False,
+        shared: bool = False,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
         enc = encoder or Encoder.load(model, threads=threads)
@@ -178,6 +203,7 @@ class Engine:
             gate_theta=gate_theta,
             heldout=heldout,
             readonly=readonly,
+            shared=shared,
         )
 
     def _set_key_ce(self, policy: Policy) -> None:
@@ -217,12 +243,24 @@ class Engine:
         policy: Policy | str | None = None,
         crash_at: str | None = None,
     ) -> IngestResult:
-        """Encode, score against the memory served now, apply the policy, append durably.
+        """Encode, score against the memory served now, apply the policy, append durably."""
+        return self.store_document(
+            self.prepare_document(doc_id, text, day, policy=policy), crash_at=crash_at
+        )
 
-        A sampled document's held-out tokens are recorded for the calibrator first (they
+    def prepare_document(
+        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+    ) -> PreparedDocument:
+        """Everything before the append, without the write lock: encode, score every token
+        against the memory served now (other writers' entries included), apply the policy.
+
+        A sampled document's held-out tokens are recorded for the calibrator here (they
         were scored against the memory before its own entries join it).
         """
         self._check_writer()
+        if self.shared:  # what other writers appended, and an index another one built
+            self.sync()
+            self.reload_index()
         pol = self._policy(policy)
         token_ids, out = self._encode(text)
         search: tuple[np.ndarray, np.ndarray] | None = None
@@ -233,9 +271,20 @@ class Engine:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
-        mask = pol.decide(scores)
+        return PreparedDocument(doc_id, day, token_ids, out, pol.decide(scores))
+
+    def store_document(
+        self, prep: PreparedDocument, *, crash_at: str | None = None
+    ) -> IngestResult:
+        """Append a prepared document's entries durably and make them searchable.
+
+        A caller that must commit its own bookkeeping atomically with the append (the
+        ingest worker) calls this inside ``exclusive()`` and commits before leaving it.
+        """
+        self._check_writer()
+        out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
         n = int(mask.sum())
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             first = len(self.datastore)
             if n:
                 self.datastore.append(
@@ -243,14 +292,52 @@ class Engine:
                     out.targets[mask].astype(np.int32),
                     np.full(n, doc_id, np.int64),
                     out.positions[mask],
-                    np.full(n, day, np.int32),
+                    np.full(n, prep.day, np.int32),
                 )
                 self.index.refresh()
             end = len(self.datastore)
-            self.calibration.observe(token_ids, doc_id)  # once, even when processed again
+            self.calibration.observe(prep.token_ids, doc_id)  # once, even when processed again
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         return IngestResult(len(out), n, first, end)
+
+    @contextlib.contextmanager
+    def building(self, timeout: float | None = None) -> Iterator[None]:
+        """The data directory's build lock for the block (reentrant in this process).
+
+        One index build at a time across processes; a worker holds it from claiming a
+        build request to recording it, so a build marked running always has a live builder.
+        ``timeout``: raise ``LockBusy`` after waiting that long (0: do not wait).
+        """
+        if not self._build_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise LockBusy("another thread of this process is building")
+        try:
+            if self._building == 0:
+                self._build_file.acquire(timeout)
+            self._building += 1
+        except BaseException:
+            self._build_lock.release()
+            raise
+        try:
+            yield
+        finally:
+            self._building -= 1
+            if self._building == 0:
+                self._build_file.release()
+            self._build_lock.release()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The datastore's write lock for the block, with the memory up to date inside.
+
+        A shared writer (``Engine.open(shared=True)``: several ingest processes on one
+        data directory) sees every entry the others committed before it appends.
+        """
+        self._check_writer()
+        with self.datastore.exclusive():
+            if self.shared:
+                self.index.refresh()
+            yield
 
     def _record_heldout(
         self,
@@ -265,6 +352,7 @@ class Engine:
         when it holds enough neighbours; FullMem and RandMem do not search, so a sampled
         document costs them one search here.
         """
+        self.calibration.refresh_lexical()
         if not self.heldout.cfg.enabled or self.calibration.lexical.counted(doc_id):
             return  # counted before: processed again after a crash, its record stands
         docs, day_tokens = self.calibration.training_index()
@@ -580,9 +668,13 @@ class Engine:
     def rebuild(
         self, *, crash_at: str | None = None, params: IndexParams | None = None
     ) -> RebuildInfo:
-        """Build a new index version, train its calibrator on the held-out tokens, serve both."""
+        """Build a new index version, train its calibrator on the held-out tokens, serve both.
+
+        One build at a time per data directory, across processes (``build.lock``).
+        """
         self._check_writer()
-        with self._build_lock:
+        with self.building():
+            self.sync()
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
             )
@@ -646,8 +738,8 @@ class Engine:
         return report
 
     def sync(self) -> int:
-        """Follow the writer: make entries another process appended searchable (read-only)."""
-        return self.index.refresh() if self.readonly else 0
+        """Make entries other processes appended searchable (read-only and shared engines)."""
+        return self.index.refresh() if self.readonly or self.shared else 0
 
     def _check_writer(self) -> None:
         if self.readonly:
@@ -666,16 +758,17 @@ class Engine:
         (the lexical statistics keep its counts: they cannot be taken apart by document).
         """
         self._check_writer()
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             hidden = self.datastore.delete_document(doc_id)
         self.heldout.drop_document(doc_id)
-        self.calibration.drop_document(doc_id)
+        with self.building():  # the training set has the builder's lock
+            self.calibration.drop_document(doc_id)
         return hidden
 
     def truncate_datastore(self, n: int) -> None:
         """Roll back entries with ids >= n (their documents were never committed)."""
         self._check_writer()
-        with self._write_lock:
+        with self.exclusive(), self._write_lock:
             self.datastore.truncate(n)
             self.index.refresh()
 

@@ -132,8 +132,9 @@ class Settings(BaseSettings):
         return self.data_dir / "memory"
 
     @property
-    def lock_path(self) -> Path:
-        return self.data_dir / "datastore.lock"
+    def workers_dir(self) -> Path:
+        """Where each live ingest worker holds a lock file named after it."""
+        return self.data_dir / "workers"
 
     def uses_default_secret(self) -> bool:
         return any(

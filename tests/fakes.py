@@ -16,11 +16,15 @@ is predictable by hand:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from memlm.engine import EngineInputError
+from memlm.locks import LockBusy
 
 VOCAB = ("the", "a", "of", "and", "to", "in")
 
@@ -88,6 +92,14 @@ class ScoreResult:
 
 
 @dataclass(frozen=True)
+class PreparedDocument:
+    doc_id: int
+    day: int
+    words: list[str]
+    policy: str
+
+
+@dataclass(frozen=True)
 class BuildInfo:
     version: int
     entries: int
@@ -126,6 +138,9 @@ class FakeEngine:
     served_version: int = 0
     processed: list[int] = field(default_factory=list)
     fail_on: str | None = None  # a word that makes process_document raise ValueError
+    # the datastore's write lock and the build lock, for workers sharing this fake
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _build: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -144,20 +159,47 @@ class FakeEngine:
     def process_document(
         self, doc_id: int, text: str, day: int, *, policy: Any = None, crash_at: str | None = None
     ) -> IngestResult:
+        return self.store_document(
+            self.prepare_document(doc_id, text, day, policy=policy), crash_at=crash_at
+        )
+
+    def prepare_document(
+        self, doc_id: int, text: str, day: int, *, policy: Any = None
+    ) -> PreparedDocument:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
             raise ValueError(f"cannot encode the word {self.fail_on!r}")
-        name = policy or self.policy
-        memory = {(e.key, e.value) for e in self._live()}
-        first = len(self.entries)
-        for t in range(1, len(words)):
-            if self._stores(name, words[t - 1], words[t], memory):
-                self.entries.append(_Entry(doc_id, t, words[t - 1], words[t], day))
-                memory.add((words[t - 1], words[t]))
+        return PreparedDocument(doc_id, day, words, policy or self.policy)
+
+    def store_document(
+        self, prep: PreparedDocument, *, crash_at: str | None = None
+    ) -> IngestResult:
+        with self.exclusive():
+            # the policy looks at the memory as it is when the entries are appended
+            memory = {(e.key, e.value) for e in self._live()}
+            first, words = len(self.entries), prep.words
+            for t in range(1, len(words)):
+                if self._stores(prep.policy, words[t - 1], words[t], memory):
+                    self.entries.append(_Entry(prep.doc_id, t, words[t - 1], words[t], prep.day))
+                    memory.add((words[t - 1], words[t]))
         if crash_at == "after_append":
             raise FakeCrash("crash after append")
-        self.processed.append(doc_id)
+        self.processed.append(prep.doc_id)
         return IngestResult(len(words) - 1, len(self.entries) - first, first, len(self.entries))
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
+    def building(self, timeout: float | None = None) -> Iterator[None]:
+        if not self._build.acquire(timeout=-1 if timeout is None else timeout):
+            raise LockBusy("another worker is building")
+        try:
+            yield
+        finally:
+            self._build.release()
 
     def predict(
         self,

@@ -42,6 +42,8 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
             "--demo",
             "--demo-days",
             "1",
+            "--workers",
+            "2",
             "--port",
             str(port),
         ],
@@ -79,10 +81,13 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
     assert "demo: 1 news articles of 1 days queued (1 new" in out
     assert "scheduler started" in out
     scheduler = int(re.search(r"scheduler pid (\d+)", out).group(1))  # type: ignore[union-attr]
+    worker = int(re.search(r"1 more ingest worker processes: pid (\d+)", out).group(1))  # type: ignore[union-attr]
     deadline = time.monotonic() + 15
-    while _alive(scheduler) and time.monotonic() < deadline:
+    while (_alive(scheduler) or _alive(worker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(scheduler), "memlm up left its scheduler running"
+    assert not _alive(worker), "memlm up left its worker process running"
+    assert f"worker {socket.gethostname()}:{worker} started" in out
 
 
 def _alive(pid: int) -> bool:

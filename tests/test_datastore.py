@@ -269,3 +269,82 @@ def test_reads_during_appends(tmp_path: Path) -> None:
     t.join()
     assert errors == []
     assert len(ds) == 150
+
+
+# --- shared writers: several processes append in turn ----------------------------------------
+
+
+def test_shared_writers_append_in_turn(tmp_path: Path) -> None:
+    a = Datastore.open(tmp_path, dim=DIM, shared=True, max_segment_entries=16)
+    b = Datastore.open(tmp_path, shared=True)
+    b1, b2, b3 = batch(10, 0, doc=1), batch(12, 1, doc=2), batch(3, 2, doc=3)
+    assert a.append(*b1) == range(0, 10)
+    assert b.append(*b2) == range(10, 22)  # b reloads a's commit before it writes
+    assert a.append(*b3) == range(22, 25)  # across the segment boundary at 16
+    for ds in (a, b):
+        ds.reload()
+        assert len(ds) == 25
+        np.testing.assert_array_equal(ds.keys(np.arange(25)), np.concatenate([b1[0], b2[0], b3[0]]))
+        np.testing.assert_array_equal(
+            ds.provenance(np.arange(25))[0], [1] * 10 + [2] * 12 + [3] * 3
+        )
+    assert b.delete_document(2) == 12 and a.truncate(22) is None
+    b.reload()
+    assert (len(b), b.num_live, a.num_live) == (22, 10, 10)
+
+
+def test_exclusive_sections_exclude_other_writers(tmp_path: Path) -> None:
+    a = Datastore.open(tmp_path, dim=DIM, shared=True)
+    b = Datastore.open(tmp_path, shared=True)
+    entered = threading.Event()
+
+    def write_b() -> None:
+        with b.exclusive():
+            entered.set()
+            b.append(*batch(2, 5, doc=9))
+
+    with a.exclusive():
+        a.append(*batch(4, 4, doc=8))
+        t = threading.Thread(target=write_b)
+        t.start()
+        assert not entered.wait(0.3)  # b waits while a holds the lock
+        assert len(a) == 4  # so a's view inside the block is final
+    t.join(5)
+    assert entered.is_set()
+    a.reload()
+    assert a.provenance(np.arange(6))[0].tolist() == [8] * 4 + [9] * 2
+
+
+def test_exclusive_writer_keeps_shared_writers_out(tmp_path: Path) -> None:
+    owner = Datastore.open(tmp_path, dim=DIM)
+    opened: list[Datastore] = []
+    t = threading.Thread(target=lambda: opened.append(Datastore.open(tmp_path, shared=True)))
+    t.start()
+    t.join(0.3)
+    assert not opened  # waits for the exclusive writer
+    owner.close()
+    t.join(5)
+    assert len(opened) == 1 and opened[0].shared
+    with pytest.raises(ValueError, match="not both"):
+        Datastore.open(tmp_path, readonly=True, shared=True)
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_shared_writer_crash_leaves_a_store_the_next_writer_continues(
+    tmp_path: Path, point: str
+) -> None:
+    a = Datastore.open(tmp_path, dim=DIM, shared=True)
+    b = Datastore.open(tmp_path, shared=True)
+    first = batch(5, 0, doc=1)
+    a.append(*first)
+    with pytest.raises(SimulatedCrash):
+        a.append(*batch(7, 1, doc=2), crash_at=point)
+    committed = point == "after_manifest"
+    nxt = batch(3, 2, doc=3)
+    start = 12 if committed else 5
+    assert b.append(*nxt) == range(start, start + 3)  # the lock was not left behind
+    keys = np.concatenate([first[0], batch(7, 1)[0]] if committed else [first[0]])
+    np.testing.assert_array_equal(b.keys(np.arange(start)), keys)
+    np.testing.assert_array_equal(b.keys(np.arange(start, start + 3)), nxt[0])
+    with pytest.raises(DatastoreError, match="closed"):
+        a.append(*nxt)

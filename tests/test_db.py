@@ -79,7 +79,10 @@ def test_claim_order_done_and_committed_end(sessions: sessionmaker[Session]) -> 
         nxt = docs.claim_next("w1")
         assert nxt is not None and nxt.id == late
         assert docs.claim_next("w1") is None
-        assert docs.release_orphans() == 1
+        assert docs.claimants() == ["w1"]
+        assert docs.release_claims(["w2"]) == 0  # another worker's claims only
+        assert docs.release_claims(["w1"]) == 1
+        assert docs.claimants() == []
         assert docs.counts_by_status() == {"done": 1, "pending": 1}
     with sessions.begin() as s:
         docs = DocumentRepository(s)

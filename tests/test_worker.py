@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,11 +12,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.locks import LockBusy
 from memlm.settings import Settings
 from tests.fakes import FakeEngine
 from tests.service_helpers import make_settings
 from workers.ingest import DatastoreAhead, IngestWorker, Processed, SimulatedCrash
-from workers.lock import LockBusy
 
 
 def add(sessions: Sessions, *texts: str, day: str = "2017-02-07") -> list[int]:
@@ -149,7 +150,7 @@ def test_unexpected_failure_reason_hides_the_exception_text(
     def boom(*_a: object, **_k: object) -> None:
         raise KeyError("/secret/path")
 
-    monkeypatch.setattr(engine, "process_document", boom)
+    monkeypatch.setattr(engine, "prepare_document", boom)
     w = new_worker()
     w.start(timeout=1)
     w.step()
@@ -158,7 +159,7 @@ def test_unexpected_failure_reason_hides_the_exception_text(
     assert err == "internal error while processing the document (details in the worker log)"
 
 
-def test_second_worker_waits_for_the_datastore_lock(setup: Setup) -> None:
+def test_a_second_worker_of_the_same_name_waits(setup: Setup) -> None:
     settings, sessions, engine, new_worker = setup
     first = new_worker()
     first.start(timeout=1)
@@ -166,6 +167,58 @@ def test_second_worker_waits_for_the_datastore_lock(setup: Setup) -> None:
         new_worker().start(timeout=0.2)
     first.lock.release()
     new_worker().start(timeout=1)
+
+
+def test_start_up_leaves_a_live_workers_claim_and_takes_a_dead_ones(setup: Setup) -> None:
+    settings, sessions, engine, new_worker = setup
+    [doc_id] = add(sessions, "a b c")
+    alive = IngestWorker(engine, sessions, settings, name="w1", policy_factory=by_name)
+    alive.start(timeout=1)
+    with sessions.begin() as s:
+        assert DocumentRepository(s).claim_next("w1") is not None  # w1 is on it
+    other = IngestWorker(engine, sessions, settings, name="w2", policy_factory=by_name)
+    assert other.start(timeout=1).released_documents == 0
+    assert other.step() is None  # nothing pending; w1 still lives
+    with sessions() as s:
+        assert (_get(s, doc_id).status, _get(s, doc_id).claimed_by) == ("processing", "w1")
+    alive.lock.release()  # w1 dies: the kernel drops its lock
+    assert other.step() is None  # idle: finds the dead worker's claim and queues it again
+    assert other.step() == Processed(doc_id, "done", 2, 2, pytest.approx(0.0, abs=5.0))
+    other.lock.release()
+
+
+def test_workers_sharing_a_data_directory_each_document_once(setup: Setup) -> None:
+    import threading
+
+    settings, sessions, engine, new_worker = setup
+    texts = [f"w{i} x{i} y{i} z" for i in range(30)]
+    ids = add(sessions, *texts)
+    stop = threading.Event()
+    workers = [
+        IngestWorker(engine, sessions, settings, name=f"w{i}", policy_factory=by_name)
+        for i in range(3)
+    ]
+    threads = [threading.Thread(target=w.run, args=(stop,)) for w in workers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(engine.processed) < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(engine.processed) == ids
+    with sessions() as s:
+        docs = sorted((_get(s, i) for i in ids), key=lambda d: d.entry_start or 0)
+    # the entry ranges tile the datastore, each range holds its own document's entries
+    assert [d.status for d in docs] == ["done"] * len(ids)
+    ends = [(d.entry_start, d.entry_end) for d in docs]
+    assert ends[0][0] == 0 and ends[-1][1] == len(engine.entries)
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False))
+    for d in docs:
+        assert {e.doc_id for e in engine.entries[d.entry_start : d.entry_end]} <= {d.id}
+    assert day_rows(sessions) == [(30, 90, len(engine.entries))]
+    assert sum(w.done for w in workers) == 30
 
 
 def test_datastore_shorter_than_committed_documents_is_refused(setup: Setup) -> None:
@@ -197,7 +250,9 @@ def test_run_loop_processes_until_stopped(setup: Setup) -> None:
     assert engine.processed == ids and not t.is_alive()
 
 
-def test_standby_run_loop_returns_when_stopped_while_waiting(setup: Setup) -> None:
+def test_run_loop_of_a_same_name_worker_returns_when_stopped_while_waiting(
+    setup: Setup,
+) -> None:
     import threading
 
     settings, sessions, engine, new_worker = setup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
+from memlm.locks import LockBusy
 from workers.engine import EngineLike
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,32 @@ def _params(info: Any) -> dict[str, Any]:
 
 
 def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str | None:
-    """Build the oldest queued request, if any; returns its key. Failures are recorded."""
-    with sessions.begin() as s:
-        row = BuildRepository(s).claim_queued()
-        if row is None:
+    """Build the oldest queued request, if any; returns its key. Failures are recorded.
+
+    Builds hold the data directory's build lock from the claim to the record, so a build
+    marked running while nobody holds the lock lost its builder: it is queued again here.
+    While another worker builds, this returns None at once (that worker has it in hand).
+    """
+    with sessions() as s:
+        if BuildRepository(s).open_request() is None:
             return None
-        build_id, key = row.id, row.request_key
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(engine.building(timeout=0))
+        except LockBusy:
+            return None
+        with sessions.begin() as s:
+            builds = BuildRepository(s)
+            if builds.release_orphans():
+                log.warning("queued again a build whose builder stopped")
+            row = builds.claim_queued()
+            if row is None:
+                return None
+            build_id, key = row.id, row.request_key
+        return _build(engine, sessions, build_id, key)
+
+
+def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, key: str) -> str:
     log.info("building index for request %s", key)
     t0 = time.perf_counter()
     try:

@@ -7,6 +7,7 @@ exact fake in ``tests/fakes.py`` and the real :class:`memlm.engine.Engine` alike
 from __future__ import annotations
 
 import datetime as dt
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from memlm.settings import Settings
@@ -23,6 +24,14 @@ class EngineLike(Protocol):
     def process_document(
         self, doc_id: int, text: str, day: int, *, policy: Any = None, crash_at: str | None = None
     ) -> Any: ...
+
+    def prepare_document(self, doc_id: int, text: str, day: int, *, policy: Any = None) -> Any: ...
+
+    def store_document(self, prep: Any, *, crash_at: str | None = None) -> Any: ...
+
+    def exclusive(self) -> AbstractContextManager[None]: ...
+
+    def building(self, timeout: float | None = None) -> AbstractContextManager[None]: ...
 
     def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Any: ...
 
@@ -42,23 +51,16 @@ class EngineLike(Protocol):
 def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True) -> EngineLike:
     """Open the real engine on the settings' data directory (loads the model).
 
-    ``writer=False`` opens the memory read-only, for an API whose worker is another
-    process; the API then calls ``engine.sync()`` to see what the worker wrote.
+    A writer opens it shared (``memlm worker`` processes may join the same data
+    directory); ``writer=False`` opens it read-only, for an API whose workers are other
+    processes. Both follow the others' writes with ``engine.sync()``.
     """
-    import inspect
-
     from memlm.engine import Engine  # heavy: torch, transformers, faiss
     from memlm.heldout import HeldOutConfig
     from memlm.knnlm import KnnParams
 
-    extra: dict[str, Any] = {}
-    if not writer:
-        if "readonly" not in inspect.signature(Engine.open).parameters:
-            raise RuntimeError(
-                "this engine cannot open the memory read-only; "
-                "run the worker inside the API (MEMLM_EMBEDDED_WORKER=true)"
-            )
-        extra["readonly"] = True
+    # A writer shares the data directory: other worker processes may append in turn.
+    extra: dict[str, Any] = {"shared": True} if writer else {"readonly": True}
 
     defaults = KnnParams()
     knn = KnnParams(

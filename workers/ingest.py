@@ -2,21 +2,28 @@
 
 One unit of work is one document (DESIGN.md, data flow step 2)::
 
-    claim (commit: processing) -> engine.process_document (appends durably)
-        -> one transaction: document done + the day's counters (commit)
+    claim (commit: processing) -> engine.prepare_document (encode, score, decide)
+        -> inside the datastore's write lock: append durably, then one transaction:
+           document done + the day's counters (commit)
 
-A crash between the append and the commit leaves datastore entries that no committed
-document owns. Every committed document records its entry range, so at start-up
-:meth:`IngestWorker.recover` cuts the datastore back to the end of the last committed
-range and puts documents left in ``processing`` back to ``pending``: nothing is lost,
-nothing is counted twice. The same cut runs after any failed document.
+Several workers may share one data directory (and one PostgreSQL or SQLite database):
+they claim different documents (``FOR UPDATE SKIP LOCKED`` / compare-and-set), encode
+and score them in parallel, and take turns for the short append-and-commit step, which
+the datastore's ``exclusive()`` lock serialises across processes. So the datastore holds,
+at every moment outside that step, exactly the entries of committed documents.
 
-The datastore has a single writer: a worker holds the data directory's file lock for
-its whole life, so a second worker on the same machine waits as a hot standby.
+A crash between the append and the commit leaves entries that no committed document owns.
+Every committed document records its entry range, so the next append-and-commit step of
+any worker (and every worker's start-up) first cuts the datastore back to the end of the
+last committed range: nothing is lost, nothing is counted twice. Each worker holds a lock
+file named after it (``MEMLM_DATA_DIR/workers/``) for its whole life; the kernel drops it
+when the process dies, so another worker can tell that a document left in
+``processing`` lost its worker and put it back in the queue.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -35,10 +43,10 @@ from memlm.db.repositories import (
     PolicyRepository,
     StatsRepository,
 )
+from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
 from workers.builder import run_queued_build
 from workers.engine import EngineLike, day_number
-from workers.lock import FileLock, LockBusy
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,12 @@ def datastore_length(engine: EngineLike) -> int:
     return int(engine.stats()["datastore_entries"])
 
 
+def worker_lock_path(settings: Settings, name: str) -> Path:
+    """The file a live worker of this name holds locked (``host:pid`` -> ``host_pid.lock``)."""
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
+    return settings.workers_dir / f"{safe}.lock"
+
+
 def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, _USER_ERRORS):
         return f"{type(exc).__name__}: {exc}"
@@ -102,39 +116,66 @@ class IngestWorker:
         self.sessions = sessions
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.lock = FileLock(settings.lock_path)
+        self.lock = FileLock(worker_lock_path(settings, self.name))  # "this worker lives"
         self.policy_factory = policy_factory
         self.done = 0
 
     # --- start-up ------------------------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> Recovery:
-        """Take the datastore lock (waiting for another worker to stop) and recover."""
+        """Take this worker's liveness lock and recover what dead workers left behind."""
         if not self.lock.held:
             self.lock.acquire(timeout)
         return self.recover()
 
     def recover(self) -> Recovery:
-        """Release orphaned claims and cut the datastore to the committed entries."""
-        with self.sessions.begin() as s:
-            docs = DocumentRepository(s)
-            released = docs.release_orphans()
+        """Release dead workers' claims and builds; cut the datastore to committed entries."""
+        released = self.release_dead_claims(including_self=True)
+        builds = 0
+        # nobody builds now, so a build marked running lost its builder
+        with (
+            contextlib.suppress(LockBusy),
+            self.engine.building(timeout=0),
+            self.sessions.begin() as s,
+        ):
             builds = BuildRepository(s).release_orphans()
-            end = docs.committed_end()
-        before = datastore_length(self.engine)
-        if before < end:
-            raise DatastoreAhead(
-                f"datastore has {before} entries but committed documents own {end}: "
-                "the data directory does not match the database"
-            )
-        if before > end:
-            log.warning(
-                "cutting %d uncommitted datastore entries (%d -> %d)", before - end, before, end
-            )
-            self.engine.truncate_datastore(end)
-        if released:
-            log.warning("put %d interrupted documents back in the queue", released)
+        with self.engine.exclusive():
+            with self.sessions() as s:
+                end = DocumentRepository(s).committed_end()
+            before = datastore_length(self.engine)
+            if before < end:
+                raise DatastoreAhead(
+                    f"datastore has {before} entries but committed documents own {end}: "
+                    "the data directory does not match the database"
+                )
+            if before > end:
+                log.warning(
+                    "cutting %d uncommitted datastore entries (%d -> %d)", before - end, before, end
+                )
+                self.engine.truncate_datastore(end)
         return Recovery(released, builds, before, end)
+
+    def release_dead_claims(self, *, including_self: bool = False) -> int:
+        """Put documents claimed by workers that no longer live back in the queue.
+
+        ``including_self``: at start-up, claims under this worker's own name are a dead
+        predecessor's (a restarted process with the same name).
+        """
+        with self.sessions() as s:
+            names = DocumentRepository(s).claimants()
+        dead = [
+            n
+            for n in names
+            if (n == self.name and including_self)
+            or (n != self.name and not held_elsewhere(worker_lock_path(self.settings, n)))
+        ]
+        if not dead:
+            return 0
+        with self.sessions.begin() as s:
+            released = DocumentRepository(s).release_claims(dead)
+        if released:
+            log.warning("put %d documents of stopped workers %s back in the queue", released, dead)
+        return released
 
     # --- work ------------------------------------------------------------------------------
 
@@ -148,7 +189,10 @@ class IngestWorker:
         forgotten = self.apply_forget()
         if forgotten is not None:
             return forgotten
-        return self.process_next(crash_at=crash_at)
+        done = self.process_next(crash_at=crash_at)
+        if done is None:  # idle: a good moment to look for documents a dead worker held
+            self.release_dead_claims()
+        return done
 
     def apply_forget(self) -> Processed | None:
         """Hide the entries of one document asked to be forgotten, then count them."""
@@ -185,52 +229,64 @@ class IngestWorker:
             policy_name, policy = self._policy(s)
         t0 = time.perf_counter()
         try:
-            result = self.engine.process_document(doc_id, text, day_number(day), policy=policy)
+            prepared = self.engine.prepare_document(doc_id, text, day_number(day), policy=policy)
         except Exception as exc:
-            log.exception("document %d failed", doc_id)
-            self._cut_uncommitted()
-            with self.sessions.begin() as s:
-                DocumentRepository(s).mark_failed(doc_id, failure_reason(exc))
-            return Processed(doc_id, "failed")
-        if crash_at == "after_append":
-            raise SimulatedCrash(f"crash_at={crash_at} after document {doc_id}")
-        seen, stored = int(result.tokens_seen), int(result.tokens_stored)
-        try:
-            with self.sessions.begin() as s:
-                docs = DocumentRepository(s)
-                docs.mark_done(
-                    docs.get(doc_id),
-                    policy=policy_name,
-                    tokens_seen=seen,
-                    tokens_stored=stored,
-                    entry_start=int(result.first_entry),
-                    entry_end=int(result.end_entry),
-                )
-                StatsRepository(s).add_document(day, policy_name, seen, stored)
-        except Exception:
-            # The commit failed: the entries must not outlive it. Recover() at the next
-            # start also handles a crash here; this handles a live database error.
-            log.exception("commit of document %d failed; rolling the datastore back", doc_id)
-            self._cut_uncommitted()
-            with self.sessions.begin() as s:
-                DocumentRepository(s).release(doc_id)
-            raise
+            return self._failed(doc_id, exc)
+        with self.engine.exclusive():  # other workers wait from here to the commit
+            self._cut_uncommitted()  # a worker that died between its append and its commit
+            try:
+                result = self.engine.store_document(prepared)
+            except Exception as exc:
+                return self._failed(doc_id, exc)
+            if crash_at == "after_append":
+                raise SimulatedCrash(f"crash_at={crash_at} after document {doc_id}")
+            seen, stored = int(result.tokens_seen), int(result.tokens_stored)
+            try:
+                with self.sessions.begin() as s:
+                    docs = DocumentRepository(s)
+                    docs.mark_done(
+                        docs.get(doc_id),
+                        policy=policy_name,
+                        tokens_seen=seen,
+                        tokens_stored=stored,
+                        entry_start=int(result.first_entry),
+                        entry_end=int(result.end_entry),
+                    )
+                    StatsRepository(s).add_document(day, policy_name, seen, stored)
+            except Exception:
+                # The commit failed: the entries must not outlive it. Any worker's next
+                # append also cuts them; this handles a live database error now.
+                log.exception("commit of document %d failed; rolling the datastore back", doc_id)
+                self._cut_uncommitted()
+                with self.sessions.begin() as s:
+                    DocumentRepository(s).release(doc_id)
+                raise
         self.done += 1
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)
 
+    def _failed(self, doc_id: int, exc: Exception) -> Processed:
+        log.error("document %d failed", doc_id, exc_info=exc)
+        with self.engine.exclusive():
+            self._cut_uncommitted()
+        with self.sessions.begin() as s:
+            DocumentRepository(s).mark_failed(doc_id, failure_reason(exc))
+        return Processed(doc_id, "failed")
+
     def _cut_uncommitted(self) -> None:
+        """Cut entries no committed document owns (call inside ``engine.exclusive()``)."""
         with self.sessions() as s:
             end = DocumentRepository(s).committed_end()
         if datastore_length(self.engine) > end:
+            log.warning("cutting datastore entries beyond the committed %d", end)
             self.engine.truncate_datastore(end)
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
         """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle."""
-        while not self.lock.held:
+        while not self.lock.held:  # only a live worker of the same name holds it
             try:
                 self.lock.acquire(timeout=self.settings.worker_poll_seconds)
             except LockBusy:
-                log.info("another worker holds %s; waiting as a standby", self.lock.path)
+                log.warning("a live worker named %s holds %s; waiting", self.name, self.lock.path)
                 if stop.wait(self.settings.worker_poll_seconds):
                     return
         recovery = self.start()

@@ -122,8 +122,14 @@ def up(
     port: int = typer.Option(8000, help="port to listen on"),
     demo: bool = typer.Option(False, "--demo", help="also ingest the first days of the news"),
     demo_days: int = typer.Option(4, help="days of the bundled news that --demo ingests"),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        help="ingest workers: the API's own worker thread plus N-1 `memlm worker` processes "
+        "(each loads the model; they encode in parallel and take turns to append)",
+    ),
 ) -> None:
-    """Run the API with its ingest worker, and the scheduler, on the embedded defaults."""
+    """Run the API with its ingest worker(s), and the scheduler, on the embedded defaults."""
     _logging()
     from memlm.db.migrate import upgrade
 
@@ -139,8 +145,16 @@ def up(
         )
     if demo:
         _queue_demo(settings, demo_days)
-    scheduler = subprocess.Popen([*_SELF, "scheduler"], preexec_fn=_die_with_parent)
+    children = [subprocess.Popen([*_SELF, "scheduler"], preexec_fn=_die_with_parent)]
+    children += [
+        subprocess.Popen([*_SELF, "worker"], preexec_fn=_die_with_parent)
+        for _ in range(workers - 1)
+    ]
+    scheduler = children[0]
     typer.echo(f"scheduler pid {scheduler.pid}; API on http://{host}:{port} (docs at /docs)")
+    if workers > 1:
+        pids = ", ".join(str(c.pid) for c in children[1:])
+        typer.echo(f"{workers - 1} more ingest worker processes: pid {pids}")
     # uvicorn shuts down gracefully on SIGTERM, then restores this handler and raises the
     # signal again: leaving through SystemExit runs the `finally` that stops the scheduler
     # (the default handler would end the process there and orphan it).
@@ -148,11 +162,13 @@ def up(
     try:
         _serve(settings.model_copy(update={"embedded_worker": True}), host, port)
     finally:
-        scheduler.terminate()
-        try:
-            scheduler.wait(10)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(30)  # a worker finishes its current document first
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
 def serve(

@@ -132,11 +132,18 @@ class DocumentRepository:
             return None
         return self.get(doc_id)
 
-    def release_orphans(self) -> int:
-        """Put every processing document back to pending (their worker is gone)."""
+    def claimants(self) -> list[str]:
+        """The workers that hold documents in ``processing`` now."""
+        q = select(Document.claimed_by).where(Document.status == "processing").distinct()
+        return sorted(str(n) for n in self.s.scalars(q) if n is not None)
+
+    def release_claims(self, workers: Sequence[str]) -> int:
+        """Put the processing documents of these (dead) workers back to pending."""
+        if not workers:
+            return 0
         res = self.s.execute(
             update(Document)
-            .where(Document.status == "processing")
+            .where(Document.status == "processing", Document.claimed_by.in_(list(workers)))
             .values(status="pending", claimed_by=None, claimed_at=None)
         )
         return int(res.rowcount)  # type: ignore[attr-defined]

@@ -1,10 +1,13 @@
-"""An exclusive file lock: the datastore has one writer per data directory."""
+"""Exclusive ``flock`` file locks between processes: no stale locks, the kernel drops them
+when their holder dies, so holding one also says "I am alive" (see ``held_elsewhere``)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -56,3 +59,27 @@ class FileLock:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another process holds the lock on ``path`` now (a missing file: no)."""
+    if not Path(path).exists():
+        return False
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except LockBusy:
+        return True
+    lock.release()
+    return False
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold the lock on ``path`` for the block, waiting for it as long as it takes."""
+    lock = FileLock(path)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
