@@ -91,6 +91,8 @@ def test_claim_order_done_and_committed_end(sessions: sessionmaker[Session]) -> 
         with pytest.raises(Conflict):
             docs.request_forget(late)
         assert docs.next_forget() is not None
+        assert docs.mark_forgotten(early) is True
+        assert docs.mark_forgotten(early) is False  # a second worker does not count it again
         assert docs.committed_end() == 4  # forgotten entries still occupy their ids
     with sessions() as s:
         [row] = StatsRepository(s).per_day()

@@ -206,9 +206,9 @@ class IngestWorker:
         if hidden not in (0, stored or 0):
             log.warning("document %d: %d entries hidden, %s recorded", doc_id, hidden, stored)
         with self.sessions.begin() as s:
-            docs = DocumentRepository(s)
-            docs.mark_forgotten(docs.get(doc_id))
-            StatsRepository(s).add_forgotten(day, policy or "unknown", stored or 0)
+            # two workers may hide the same document; the one that flips the status counts
+            if DocumentRepository(s).mark_forgotten(doc_id):
+                StatsRepository(s).add_forgotten(day, policy or "unknown", stored or 0)
         return Processed(doc_id, "forgotten", 0, stored or 0)
 
     def _policy(self, s: Session) -> tuple[str, Any]:

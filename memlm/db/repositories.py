@@ -202,8 +202,14 @@ class DocumentRepository:
         q = select(Document).where(Document.status == "forgetting").order_by(Document.id).limit(1)
         return self.s.scalars(q).first()
 
-    def mark_forgotten(self, doc: Document) -> None:
-        doc.status = "forgotten"
+    def mark_forgotten(self, doc_id: int) -> bool:
+        """``forgetting`` -> ``forgotten``; False when another worker got there first."""
+        res = self.s.execute(
+            update(Document)
+            .where(Document.id == doc_id, Document.status == "forgetting")
+            .values(status="forgotten")
+        )
+        return int(res.rowcount) == 1  # type: ignore[attr-defined]
 
     def counts_by_status(self) -> dict[str, int]:
         q = select(Document.status, func.count()).group_by(Document.status)
