@@ -163,7 +163,7 @@ def curl(c: Call, path: str) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def shorten(x: Any, items: int = 2, chars: int = 120) -> Any:
+def shorten(x: Any, items: int = 1, chars: int = 100) -> Any:
     """A response cut for the README: the first list items, long strings cut."""
     if isinstance(x, dict):
         return {k: shorten(v, items, chars) for k, v in x.items()}
@@ -185,13 +185,16 @@ def status_line(r: httpx.Response) -> str:
 
 
 def body_block(r: httpx.Response, short: bool) -> str:
+    """The response body: indented JSON, or for the README one line of shortened JSON."""
     if r.headers.get("content-type", "").startswith("application/json"):
         data = r.json()
-        return "```json\n" + json.dumps(shorten(data) if short else data, indent=2) + "\n```"
+        if short:
+            return "```json\n" + json.dumps(shorten(data), ensure_ascii=False) + "\n```"
+        return "```json\n" + json.dumps(data, indent=2, ensure_ascii=False) + "\n```"
     text = r.text
-    if short:  # Prometheus text: a few metric families
+    if short:  # Prometheus text: a few of memlm's own lines
         keep = [ln for ln in text.splitlines() if ln.startswith("memlm_")]
-        text = "\n".join(keep[:8]) + f"\n... {len(keep) - 8} more memlm_ lines"
+        text = "\n".join(keep[:6]) + f"\n... {len(keep) - 6} more memlm_ lines"
     return "```\n" + text.rstrip() + "\n```"
 
 
