@@ -300,8 +300,12 @@ class BuildOut(BaseModel):
     entries: int | None
     seconds: float | None
     requested_at: dt.datetime | None
+    started_at: dt.datetime | None = None
     finished_at: dt.datetime | None
     error: str | None
+    params: dict[str, Any] | None = Field(
+        None, description="the index's parameters (kind, lists, code size, nprobe, ...)"
+    )
     calibrator: dict[str, Any] | None = Field(
         None, description="what training the calibrator for this version did"
     )

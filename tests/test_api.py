@@ -83,6 +83,8 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     env.sync()
     build = c.get(f"/admin/builds/{r.json()['id']}", headers=ADMIN).json()
     assert (build["status"], build["version"], build["entries"]) == ("done", "1", 5)
+    assert build["params"] == {"kind": "flat"}  # the fake's index parameters
+    assert build["calibrator"] is None and build["started_at"] <= build["finished_at"]
 
     after = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
     assert after["lambda"] == 0.5
@@ -248,6 +250,7 @@ def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
         "created_at": d["created_at"],
         "processed_at": d["processed_at"],
         "requested_at": b["requested_at"],
+        "started_at": b["started_at"],
         "finished_at": b["finished_at"],
         "built_at": st["index"]["built_at"],
         "updated_at (default)": before_put["updated_at"],

@@ -25,8 +25,11 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminAuth])
 
 def build_out(b: IndexBuild) -> BuildOut:
     names = ("id", "request_key", "requested_by", "status", "version", "entries", "seconds")
-    data = {n: getattr(b, n) for n in (*names, "requested_at", "finished_at", "error")}
-    data["calibrator"] = (b.params or {}).get("calibrator")
+    times = ("requested_at", "started_at", "finished_at")
+    data = {n: getattr(b, n) for n in (*names, *times, "error")}
+    params = dict(b.params or {})
+    data["calibrator"] = params.pop("calibrator", None)
+    data["params"] = params or None
     return BuildOut.model_validate(data)
 
 
