@@ -101,6 +101,7 @@ class Prediction:
     neighbours: list[Neighbour]
     context_tokens: int = 0
     words: list[WordSuggestion] = field(default_factory=list)
+    index_version: int | None = None  # the built index version searched (None: fresh only)
 
 
 @dataclass(frozen=True)
@@ -459,7 +460,11 @@ class Engine:
                 for s, t in zip(strings, best, strict=True)
             ]
             found = self._neighbours(nxt.eids[r], nxt.vals[r], nxt.dist[r], neighbours)
-            out.append(Prediction(sugg, float(nxt.lam[r]), found, len(ids), word_lists[r]))
+            out.append(
+                Prediction(
+                    sugg, float(nxt.lam[r]), found, len(ids), word_lists[r], self.index.version
+                )
+            )
         return out
 
     def _next_token(

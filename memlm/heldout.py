@@ -51,7 +51,7 @@ class HeldOutConfig:
     enabled: bool = False  # the engine records nothing unless the service turns it on
     share: float = 0.05  # seeded share of documents (the paper holds out ~10 articles a day)
     day_tokens: int = 2048  # per day: ~1 MB of records at k = 64 (560 bytes per token)
-    min_tokens: int = 512  # below this the rebuild skips training (too few to learn from)
+    min_tokens: int = 8192  # below this the rebuild skips training (4 days at the cap)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -58,8 +58,10 @@ class Settings(BaseSettings):
     calibrator_sample: float = Field(default=0.05, ge=0.0, le=1.0)
     # At most this many recorded tokens a day (~560 bytes each at k = 64).
     calibrator_day_tokens: int = Field(default=2048, ge=1)
-    # A rebuild trains only once the training set holds this many held-out tokens.
-    calibrator_min_tokens: int = Field(default=512, ge=1)
+    # A rebuild trains only once the training set holds this many held-out tokens (4 days
+    # at the daily cap): a calibrator trained on the first few articles learns only that
+    # a memory of a few articles does not help, and then ignores close neighbours too.
+    calibrator_min_tokens: int = Field(default=8192, ge=1)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 

@@ -124,6 +124,20 @@ def calls() -> list[Call]:
         Call("POST /admin/rebuild", "POST", "/admin/rebuild", auth=True),
         Call("GET /admin/builds/{id}", "GET", "/admin/builds/1", auth=True),
         Call("GET /admin/stats", "GET", "/admin/stats", auth=True),
+        Call(
+            "POST /predict (after the rebuild: the calibrator's lambda)",
+            "POST",
+            "/predict",
+            {"context": CONTEXT, "top_n": 3},
+            note="The first rebuild trained the NN calibrator on the held-out tokens the "
+            "worker recorded; the API serves it with the new index version:",
+        ),
+        Call(
+            "POST /score (after the rebuild)",
+            "POST",
+            "/score",
+            {"text": "The central bank left interest rates unchanged."},
+        ),
         Call("GET /admin/policy", "GET", "/admin/policy", auth=True),
         Call(
             "PUT /admin/policy",

@@ -180,7 +180,7 @@ class PredictResponse(BaseModel):
     lambda_: float = Field(alias="lambda", serialization_alias="lambda")
     neighbours: list[NeighbourOut]
     memory: MemoryOut | None = None
-    index_version: int | str | None = None
+    index_version: str | None = Field(None, description="the built index version searched")
 
 
 class MemoryOut(BaseModel):

@@ -89,6 +89,9 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
 
         build = c.post("/admin/rebuild", headers=ADMIN).json()
         assert env.drain() == 1
+        # the answer names the version it searched, before the API's poll has seen the build
+        first = c.post("/predict", json={"context": context}).json()
+        assert first["index_version"] == str(env.engine.index.version) == "1"
         env.sync()
         build = c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()
         assert build["status"] == "done" and build["entries"] == n_tokens - 1

@@ -81,6 +81,12 @@ def _lambda(pred: Any) -> float:
     raise AttributeError("prediction has no lambda")
 
 
+def _version(pred: Any, state: AppState) -> str | None:
+    """The index version this answer searched (a fake engine's answer does not say)."""
+    v = getattr(pred, "index_version", state.served_version)
+    return None if v is None else str(v)
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -1e30
 
@@ -138,7 +144,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
         **{"lambda": _lambda(pred)},
         neighbours=neighbours_out(pred.neighbours, docs, state.cached.get("char_span")),
         memory=memory_out(memory),
-        index_version=state.served_version,
+        index_version=_version(pred, state),
     )
 
 
