@@ -129,8 +129,9 @@ def calls() -> list[Call]:
             "POST",
             "/predict",
             {"context": CONTEXT, "top_n": 3},
-            note="The first rebuild trained the NN calibrator on the held-out tokens the "
-            "worker recorded; the API serves it with the new index version:",
+            note="After the first rebuild: its build record above says whether the NN "
+            "calibrator was trained (not on the demo's few held-out tokens: the constant "
+            "lambda stays; see docs/calibrator.md):",
         ),
         Call(
             "POST /score (after the rebuild)",
