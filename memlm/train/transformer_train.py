@@ -37,7 +37,12 @@ from torch import nn
 
 from memlm.encoder import last_mlp
 from memlm.train.bm25_batching import bm25_neighbours, greedy_chain, random_batches
-from memlm.train.data import EncodedCorpus, document_segments
+from memlm.train.data import (
+    Segments,
+    consecutive_batches,
+    make_segments,
+    stream_segments,
+)
 from memlm.train.trime import MemoryKind, lm_token_loss, memory_mask, trime_token_loss
 
 log = logging.getLogger(__name__)
@@ -129,65 +134,9 @@ def forward_with_keys(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
 # --- segments and batches -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Segments:
-    """All training segments of a corpus, padded to ``seg_len``."""
-
-    x: np.ndarray  # (S, L) int64 inputs
-    y: np.ndarray  # (S, L) int64 targets
-    valid: np.ndarray  # (S, L) bool: a real target
-    doc: np.ndarray  # (S,) document index
-    order: np.ndarray  # (S,) segment index within its document
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-
-def make_segments(corpus: EncodedCorpus, seg_len: int) -> Segments:
-    """Cut every document into consecutive segments of ``seg_len`` (input, target) pairs."""
-    xs, ys, vs, docs, orders = [], [], [], [], []
-    pad = corpus.boundary_id
-    for i in range(len(corpus)):
-        for j, (sx, sy) in enumerate(document_segments(corpus.doc(i), seg_len)):
-            x = np.full(seg_len, pad, np.int64)
-            y = np.full(seg_len, pad, np.int64)
-            v = np.zeros(seg_len, bool)
-            x[: len(sx)], y[: len(sy)], v[: len(sx)] = sx, sy, True
-            xs.append(x)
-            ys.append(y)
-            vs.append(v)
-            docs.append(i)
-            orders.append(j)
-    return Segments(
-        x=np.stack(xs),
-        y=np.stack(ys),
-        valid=np.stack(vs),
-        doc=np.array(docs),
-        order=np.array(orders),
-    )
-
-
 def segment_texts(segs: Segments, decode: Callable[[Sequence[int]], str]) -> list[str]:
     """Decoded text of every segment (the BM25 corpus)."""
     return [decode([int(t) for t in segs.x[i][segs.valid[i]]]) for i in range(len(segs))]
-
-
-def _long_batches(segs: Segments, batch_segments: int, m: int, seed: int) -> list[list[int]]:
-    """Groups of m consecutive segments of one document, batch_segments // m groups a batch."""
-    starts: list[list[int]] = []
-    i = 0
-    while i < len(segs):
-        j = i
-        while j < len(segs) and segs.doc[j] == segs.doc[i] and j - i < m:
-            j += 1
-        starts.append(list(range(i, j)))
-        i = j
-    per_batch = max(1, batch_segments // m)
-    order = np.random.default_rng(seed).permutation(len(starts))
-    return [
-        [s for g in order[k : k + per_batch] for s in starts[g]]
-        for k in range(0, len(order), per_batch)
-    ]
 
 
 def batch_plan(
@@ -195,7 +144,11 @@ def batch_plan(
     cfg: TrainConfig,
     texts: Sequence[str] | None = None,
 ) -> list[list[int]]:
-    """Segment rows of every step, epoch after epoch, deterministic in ``cfg.seed``."""
+    """Segment rows of every step, epoch after epoch, deterministic in ``cfg.seed``.
+
+    Every epoch uses each row once. Over :func:`stream_segments` rows cut to a multiple
+    of ``cfg.batch_segments``, every batch of every objective holds exactly B full rows.
+    """
     plan: list[list[int]] = []
     neighbours: list[list[int]] | None = None
     if cfg.objective == "trime-ext" and cfg.bm25:
@@ -206,7 +159,7 @@ def batch_plan(
     while len(plan) < cfg.steps:
         seed = cfg.seed * 1000 + epoch
         if cfg.objective == "trime-long":
-            batches = _long_batches(segs, cfg.batch_segments, cfg.long_m, seed)
+            batches = consecutive_batches(len(segs), cfg.batch_segments, cfg.long_m, seed)
         elif neighbours is not None:
             order = greedy_chain(neighbours, seed)
             b = cfg.batch_segments
@@ -251,6 +204,11 @@ class TrainConfig:
             raise ValueError("steps, batch_segments, long_m must be >= 1 and seg_len >= 2")
         if not 0 <= self.p_drop_local <= 1 or not 0 <= self.vanilla_frac <= 1:
             raise ValueError("p_drop_local and vanilla_frac must lie in [0, 1]")
+        if self.objective == "trime-long" and self.batch_segments % self.long_m:
+            raise ValueError(
+                f"trime-long needs batch_segments ({self.batch_segments}) to be a multiple "
+                f"of long_m ({self.long_m}): a batch holds whole groups of m segments"
+            )
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -286,8 +244,7 @@ def batch_loss(
         assert kind is not None
         vis = memory_mask(
             torch.from_numpy(segs.doc[idx]),
-            torch.from_numpy(segs.order[idx]),
-            cfg.seg_len,
+            torch.from_numpy(segs.pos[idx]),
             kind,
             drop_local=kind == "ext" and drop_local_at(step, cfg),
         )
@@ -490,11 +447,13 @@ def encode_segments(model: nn.Module, segs: Segments, batch: int = 16) -> Segmen
         gold.append(logits.gather(2, y.unsqueeze(-1)).squeeze(-1)[v])
         lse.append(torch.logsumexp(logits, dim=-1)[v])
         tgt.append(y[v])
-    L = segs.x.shape[1]
     valid = segs.valid
-    doc = np.repeat(segs.doc, L).reshape(valid.shape)[valid]
-    seg_start = np.repeat(segs.order * L, L).reshape(valid.shape)[valid]
-    pos = (segs.order[:, None] * L + np.arange(L)[None, :])[valid]
+    # a position's segment starts where its document's run in the row starts
+    t = np.arange(segs.seg_len)[None, :]
+    run_start = valid & ((t == 0) | (segs.doc != np.roll(segs.doc, 1, axis=1)))
+    first = np.maximum.accumulate(np.where(run_start, t, 0), axis=1)
+    seg_start = np.take_along_axis(segs.pos, first, axis=1)[valid]
+    doc, pos = segs.doc[valid], segs.pos[valid]
     return SegmentOutputs(
         keys=torch.cat(keys),
         targets=torch.cat(tgt),
@@ -703,7 +662,7 @@ def run(req: Any) -> dict[str, Any]:
         save_every=_opt(ex, "save_every", 100),
         threads=req.threads,
     )
-    segs = make_segments(train_c, cfg.seg_len)
+    segs = stream_segments(train_c, cfg.seg_len, rows_multiple=cfg.batch_segments)
     texts = segment_texts(segs, decode) if cfg.objective == "trime-ext" and cfg.bm25 else None
     result = train(
         model,

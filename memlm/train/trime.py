@@ -2,12 +2,14 @@
 
 A batch holds B segments of L tokens, flattened to N = B * L positions. Every position
 i has an LM output f(c_i) (through the logits), a memory key g(c_i) (the input of the
-last MLP, DESIGN.md) and a target x_{i+1}. The training memory of position i is a set of
-other positions j of the same batch, given by a boolean (N, N) visibility matrix:
+last MLP, DESIGN.md), a target x_{i+1}, a document and a position in that document (a
+training row may end one document and start the next). The training memory of position
+i is a set of other positions j of the same batch, given by a boolean (N, N) visibility
+matrix:
 
-- ``local`` (TrimeLM): earlier positions of the same segment (§4.1);
-- ``long`` (TrimeLM_long): earlier positions of the same segment and every position of
-  earlier segments of the same document in the batch (§4.2);
+- ``local`` (TrimeLM): earlier positions of the same segment and document (§4.1);
+- ``long`` (TrimeLM_long): every earlier position of the same document in the batch, in
+  its own segment or in the earlier segments batched with it (§4.2);
 - ``ext`` (TrimeLM_ext): every position of the other segments of the batch, plus the
   local memory unless it is dropped for this batch (probability p = 0.9, §4.3).
 
@@ -30,30 +32,31 @@ NEG_INF = float("-inf")
 
 
 def memory_mask(
-    seg_doc: torch.Tensor,
-    seg_order: torch.Tensor,
-    seg_len: int,
+    doc: torch.Tensor,
+    pos: torch.Tensor,
     kind: MemoryKind,
     drop_local: bool = False,
 ) -> torch.Tensor:
-    """Visibility (N, N), N = B * seg_len: True where position i may use position j.
+    """Visibility (N, N), N = B * L: True where position i may use position j.
 
-    seg_doc (B,): document of each segment row; seg_order (B,): index of the segment in
-    its document (only ``long`` uses it). Positions are row-major: i = b * seg_len + t.
+    doc (B, L): document of every position (-1 on padding, never visible through a
+    document); pos (B, L): position within the document. Positions are row-major:
+    i = b * L + t. ``local`` and ``long`` never cross documents; ``ext`` crosses them on
+    purpose (the other segments stand in for retrieved neighbours).
     """
-    b = seg_doc.shape[0]
-    assert seg_order.shape == (b,) and seg_len >= 1
+    assert doc.dim() == 2 and pos.shape == doc.shape
+    b, seg_len = doc.shape
     n = b * seg_len
-    row = torch.arange(n, device=seg_doc.device) // seg_len  # (N,)
-    tok = torch.arange(n, device=seg_doc.device) % seg_len  # (N,)
+    d, p = doc.reshape(n), pos.reshape(n)  # (N,)
+    row = torch.arange(n, device=doc.device) // seg_len  # (N,)
     same_row = row.view(-1, 1) == row.view(1, -1)  # (N, N)
-    local = same_row & (tok.view(1, -1) < tok.view(-1, 1))
+    earlier_same_doc = (d.view(-1, 1) == d.view(1, -1)) & (d.view(1, -1) >= 0)
+    earlier_same_doc &= p.view(1, -1) < p.view(-1, 1)
+    local = same_row & earlier_same_doc
     if kind == "local":
         return local
     if kind == "long":
-        doc, order = seg_doc[row], seg_order[row]
-        earlier = (doc.view(-1, 1) == doc.view(1, -1)) & (order.view(1, -1) < order.view(-1, 1))
-        return local | earlier
+        return earlier_same_doc
     if kind == "ext":
         other = ~same_row
         return other if drop_local else other | local
