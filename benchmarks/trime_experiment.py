@@ -20,13 +20,13 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits
+from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits, stream_segments
 from memlm.train.transformer_train import (
     ModelConfig,
     SegmentOutputs,
@@ -78,7 +78,15 @@ class Setup:
     batch_segments: int = 8
     steps: int = 200
     lr: float = 2e-3
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
     seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            hidden=self.hidden, layers=self.layers, heads=self.heads, ffn=4 * self.hidden
+        )
 
 
 def load_data(s: Setup) -> tuple[EncodedSplits, EncodedCorpus, EncodedCorpus, EncodedCorpus]:
@@ -103,15 +111,20 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
         steps=s.steps,
         lr=s.lr,
         seed=s.seed,
-        save_every=50,
+        save_every=100,
         **RUNS[name],
     )
     model = build_model(
-        ModelConfig(), splits.tokenizer.vocab_size, splits.tokenizer.boundary_id, s.seed
+        s.model_config(), splits.tokenizer.vocab_size, splits.tokenizer.boundary_id, s.seed
     )
-    segs = make_segments(train_c, cfg.seg_len)
+    # full rows of the document stream, a multiple of B: every batch holds B * L targets
+    segs = stream_segments(train_c, cfg.seg_len, rows_multiple=cfg.batch_segments)
     t0 = time.process_time()
-    texts = segment_texts(segs, splits.tokenizer.decode) if name == "trime-ext" else None
+    texts = (
+        segment_texts(segs, splits.tokenizer.decode)
+        if cfg.objective == "trime-ext" and cfg.bm25
+        else None
+    )
     result = train(
         model,
         segs,
@@ -122,6 +135,7 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
     )
     info = {
         "run": name,
+        "setup": asdict(s),
         "parameters": parameter_counts(model),
         "segments": len(segs),
         "train_tokens_seen": result.tokens,
@@ -396,6 +410,12 @@ def main() -> None:
     ap.add_argument("--test-tokens", type=int, default=Setup.test_tokens)
     ap.add_argument("--datastore-tokens", type=int, default=Setup.datastore_tokens)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=Setup.hidden)
+    ap.add_argument("--layers", type=int, default=Setup.layers)
+    ap.add_argument("--heads", type=int, default=Setup.heads)
+    ap.add_argument("--batch-segments", type=int, default=Setup.batch_segments)
+    ap.add_argument("--seg-len", type=int, default=Setup.seg_len)
+    ap.add_argument("--lr", type=float, default=Setup.lr)
     ap.add_argument("--days", type=int, default=5, help="news phase: days of the stream")
     ap.add_argument("--start", default="2017-02-13", help="news phase: first day")
     ap.add_argument("--max-docs-per-day", type=int, default=20, help="news phase")
@@ -407,6 +427,12 @@ def main() -> None:
         dev_tokens=args.dev_tokens,
         test_tokens=args.test_tokens,
         datastore_tokens=args.datastore_tokens,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        batch_segments=args.batch_segments,
+        seg_len=args.seg_len,
+        lr=args.lr,
     )
     runs = args.run or list(RUNS)
     if args.phase == "news":

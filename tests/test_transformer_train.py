@@ -157,6 +157,11 @@ def test_hf_checkpoint_and_exact_resume(tmp_path: Path) -> None:
     full = build_model(TINY, V, 0, seed=2)
     r = train(full, segs, cfg, tmp_path / "full", progress=False)
     assert r.steps_done == 6 and r.resumed_from == 0 and len(r.history) == 6
+    # saved at 2, 4, 6; the two latest are kept
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == [
+        "step-4",
+        "step-6",
+    ]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")
     x = torch.from_numpy(segs.x[:2])
     with torch.no_grad():

@@ -195,6 +195,7 @@ class TrainConfig:
     tau: float = 1.0  # training uses the plain scaled dot product
     seed: int = 0
     save_every: int = 100
+    keep_checkpoints: int = 2  # older step-N folders are deleted (each holds Adam's 2x state)
     threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -293,11 +294,22 @@ def _save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The checkpoint folder with the highest step under ``out_dir/checkpoints``."""
+def _checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoint folders under ``out_dir/checkpoints``, by increasing step."""
     root = out_dir / "checkpoints"
     found = [p for p in root.glob("step-*") if (p / STATE_FILE).exists()] if root.exists() else []
-    return max(found, key=lambda p: int(p.name.split("-")[1])) if found else None
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _prune_checkpoints(out_dir: Path, keep: int) -> None:
+    for old in _checkpoints(out_dir)[: -max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint folder with the highest step under ``out_dir/checkpoints``."""
+    found = _checkpoints(out_dir)
+    return found[-1] if found else None
 
 
 @dataclass
@@ -393,6 +405,7 @@ def train(
                 cfg,
                 history,
             )
+            _prune_checkpoints(out_dir, cfg.keep_checkpoints)
         if done == end:
             break
     if end == cfg.steps:
