@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from memlm.train.trime import lm_token_loss, memory_mask, trime_token_loss
+from memlm.train.trime import LseAndGold, lm_token_loss, memory_mask, trime_token_loss
 
 
 def _batch(n: int = 6, v: int = 5, d: int = 4, seed: int = 0):
@@ -118,3 +118,13 @@ def test_gradients_finite_with_rows_without_memory() -> None:
     trime_token_loss(logits, targets, keys, vis).sum().backward()
     assert keys.grad is not None and logits.grad is not None
     assert bool(torch.isfinite(keys.grad).all()) and bool(torch.isfinite(logits.grad).all())
+
+
+def test_lse_and_gold_values_and_gradients_match_autograd() -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 8, 3, 3, 5])
+    lse, gold = LseAndGold.apply(logits, targets)
+    assert torch.allclose(lse, torch.logsumexp(logits, 1), atol=1e-12)
+    assert torch.equal(gold, logits.gather(1, targets.view(-1, 1)).squeeze(1))
+    assert torch.autograd.gradcheck(lambda x: LseAndGold.apply(x, targets), (logits,))

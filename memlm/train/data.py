@@ -367,14 +367,17 @@ def load_encoded_splits(
     test_frac: float = 0.05,
     seed: int = 0,
     cache_dir: Path | None = None,
+    docs: Sequence[Document] | None = None,
 ) -> EncodedSplits:
     """Split a stream by document and encode it; ``tokenizer`` is ``word`` or ``subword``.
 
-    The word vocabulary is built from the training split only.
+    ``docs`` replaces the named ``corpus`` when given (``memlm train --data FILE``). The
+    word vocabulary is built from the training split only.
     """
     from memlm.corpus import load_corpus
 
-    splits = split_documents(load_corpus(corpus), dev_frac, test_frac, seed)
+    stream = load_corpus(corpus) if docs is None else docs
+    splits = split_documents(stream, dev_frac, test_frac, seed)
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     tok: Tokenizer
     if tokenizer == "word":

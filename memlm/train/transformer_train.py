@@ -254,6 +254,24 @@ def batch_loss(
     return per_tok.sum() / max(n, 1), n
 
 
+# Fields that do not change the weights a run ends with: a run may resume with other values.
+OPERATIONAL_FIELDS = ("save_every", "keep_checkpoints", "threads")
+
+
+def _resume_key(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL_FIELDS}
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """An HF tokenizer (``save_pretrained``) or memlm's word vocabulary (``save``)."""
+    if tokenizer is None:
+        return
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    else:
+        tokenizer.save(folder / "word_tokenizer.json")
+
+
 def _save_checkpoint(
     folder: Path,
     model: nn.Module,
@@ -269,8 +287,7 @@ def _save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
         model.save_pretrained(tmp)  # type: ignore[operator]
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp)
         torch.save(
             {
                 "step": step,
@@ -362,8 +379,14 @@ def train(
         from safetensors.torch import load_file
 
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise ValueError(f"{ckpt} was written with another configuration")
+        saved = {k: v for k, v in state["config"].items() if k not in OPERATIONAL_FIELDS}
+        if saved != _resume_key(cfg):
+            diff = sorted(
+                k
+                for k in saved.keys() | _resume_key(cfg).keys()
+                if saved.get(k) != _resume_key(cfg).get(k)
+            )
+            raise ValueError(f"{ckpt} was written with another configuration ({', '.join(diff)})")
         weights = load_file(str(ckpt / "model.safetensors"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -422,12 +445,20 @@ def _save_final(
     cfg: TrainConfig,
     history: list[dict[str, float]],
 ) -> None:
+    """``out_dir/model``: HF folder + tokenizer + ``memlm_train.json``, renamed into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir / "model")  # type: ignore[operator]
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir / "model")
-    meta = {"train_config": asdict(cfg), "final_loss": history[-1]["loss"] if history else None}
-    (out_dir / "model" / "memlm_train.json").write_text(json.dumps(meta, indent=2))
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    try:
+        model.save_pretrained(tmp)  # type: ignore[operator]
+        _save_tokenizer(tokenizer, tmp)
+        meta = {"train_config": asdict(cfg), "final_loss": history[-1]["loss"] if history else None}
+        (tmp / "memlm_train.json").write_text(json.dumps(meta, indent=2))
+        final = out_dir / "model"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- evaluation of trained models -----------------------------------------------------------
@@ -606,12 +637,15 @@ def run(req: Any) -> dict[str, Any]:
     ``p_drop_local``, ``bm25`` (false: random batching), ``vanilla_frac``, ``save_every``,
     ``resume`` (default true), ``tau`` (evaluation).
     """
+    from memlm.corpus import load_corpus
     from memlm.train.data import encode_corpus, load_encoded_splits, split_documents
 
     ex = dict(req.extra)
     set_threads(req.threads)
     out = Path(req.out)
     init_from = _opt(ex, "init_from", None)
+    data = _opt(ex, "data", None)
+    docs = None if data is None else read_text_documents(Path(data))
     tokenizer: Any
     if init_from is not None:
         from memlm.encoder import Encoder
@@ -620,16 +654,13 @@ def run(req: Any) -> dict[str, Any]:
         model, hf_tok = enc.model, enc.tokenizer
         for p in model.parameters():
             p.requires_grad_(True)
-        data = _opt(ex, "data", None)
-        if data is None:
-            raise ValueError("--init-from needs --data FILE.txt|FILE.jsonl")
+        # the model's own tokenizer, over --data or else --corpus
         tokenizer = HFTokenizerAdapter(hf_tok, f"hf-{Path(str(init_from)).name}")
-        splits = split_documents(read_text_documents(Path(data)), seed=req.seed)
-        cache = req.cache_dir
+        splits = split_documents(load_corpus(req.corpus) if docs is None else docs, seed=req.seed)
         train_c, dev_c, test_c = (
-            encode_corpus(d, tokenizer, cache) for d in (splits.train, splits.dev, splits.test)
+            encode_corpus(d, tokenizer, req.cache_dir)
+            for d in (splits.train, splits.dev, splits.test)
         )
-        decode = tokenizer.decode
     else:
         enc_splits = load_encoded_splits(
             corpus=req.corpus,
@@ -637,10 +668,10 @@ def run(req: Any) -> dict[str, Any]:
             vocab_size=req.vocab_size,
             seed=req.seed,
             cache_dir=req.cache_dir,
+            docs=docs,
         )
         train_c, dev_c, test_c = enc_splits.train, enc_splits.dev, enc_splits.test
         tokenizer = enc_splits.tokenizer
-        decode = tokenizer.decode
         mcfg = ModelConfig(
             hidden=req.hidden or 128,
             layers=_opt(ex, "layers", 4),
@@ -656,6 +687,7 @@ def run(req: Any) -> dict[str, Any]:
             from memlm.encoder import bundled_tokenizer_path
 
             hf_tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+    decode = tokenizer.decode
     if req.max_train_tokens:
         train_c = train_c.truncate_tokens(req.max_train_tokens)
     if req.max_eval_tokens:
@@ -682,22 +714,24 @@ def run(req: Any) -> dict[str, Any]:
         segs,
         cfg,
         out,
-        tokenizer=hf_tok,
+        tokenizer=hf_tok if hf_tok is not None else tokenizer,  # word vocabularies too
         texts=texts,
         resume=_opt(ex, "resume", True),
         max_seconds=None if req.max_minutes is None else 60 * req.max_minutes,
     )
-    if hf_tok is None and hasattr(tokenizer, "save"):
-        tokenizer.save(out / "model" / "word_tokenizer.json")
+    complete = result.steps_done == cfg.steps
+    last = latest_checkpoint(out)
     summary: dict[str, Any] = {
         "arch": "transformer",
         "objective": cfg.objective,
         "parameters": parameter_counts(model),
+        "complete": complete,  # False: stopped by --max-minutes; run again to resume
         "steps": result.steps_done,
+        "resumed_from": result.resumed_from,
         "train_seconds": round(result.seconds, 1),
         "train_tokens": result.tokens,
         "final_loss": result.history[-1]["loss"] if result.history else None,
-        "model_dir": str(out / "model"),
+        "model_dir": str(out / "model" if complete or last is None else last),
     }
     tau = _opt(ex, "tau", 1.0)
     kind = MEMORY_OF[cfg.objective]

@@ -22,7 +22,7 @@ exactly the cross-entropy of the LM.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,31 @@ def memory_mask(
     raise ValueError(f"unknown memory kind {kind!r}")
 
 
+class LseAndGold(torch.autograd.Function):
+    """(N, V) logits, (N,) targets -> log-sum-exp (N,) and gold logit (N,), in few passes.
+
+    Same values and gradients as ``torch.logsumexp`` and ``gather``; written out because
+    those two make several passes over the (N, V) logits and their gradients (0.9 s
+    against 0.5 s for the vanilla cross-entropy at N = 1,024, V = 49,152, one thread).
+    The backward is one pass: softmax * g_lse, plus g_gold at the gold entries.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        logp = F.log_softmax(logits, dim=1)  # (N, V)
+        gold = logits.gather(1, targets.view(-1, 1)).squeeze(1)  # (N,)
+        lse = gold - logp.gather(1, targets.view(-1, 1)).squeeze(1)
+        ctx.save_for_backward(logp, targets)
+        return lse, gold
+
+    @staticmethod
+    def backward(ctx: Any, g_lse: torch.Tensor, g_gold: torch.Tensor) -> Any:
+        logp, targets = ctx.saved_tensors
+        grad = torch.exp(logp).mul_(g_lse.view(-1, 1))  # (N, V) softmax * g_lse
+        grad.scatter_add_(1, targets.view(-1, 1), g_gold.view(-1, 1))
+        return grad, None
+
+
 def trime_token_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -81,8 +106,7 @@ def trime_token_loss(
     if valid is None:
         valid = torch.ones(n, dtype=torch.bool, device=logits.device)
     safe_t = torch.where(valid, targets, 0)
-    lm_lse = torch.logsumexp(logits, dim=1)  # (N,)
-    lm_gold = logits.gather(1, safe_t.view(-1, 1)).squeeze(1)  # (N,)
+    lm_lse, lm_gold = LseAndGold.apply(logits, safe_t)  # (N,), (N,)
     sim = (keys @ keys.T) / (math.sqrt(keys.shape[1]) * tau)  # (N, N) scaled dot product
     vis = visible & valid.view(1, -1)
     mem = sim.masked_fill(~vis, NEG_INF)
