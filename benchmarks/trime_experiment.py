@@ -133,16 +133,22 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
         tokenizer=AutoTokenizer.from_pretrained(bundled_tokenizer_path()),
         texts=texts,
     )
+    last = result.history[-max(1, len(result.history) // 10) :]
     info = {
         "run": name,
         "setup": asdict(s),
         "parameters": parameter_counts(model),
         "segments": len(segs),
+        "epochs": round(s.steps * s.batch_segments / len(segs), 3),
         "train_tokens_seen": result.tokens,
         "wall_seconds": round(result.seconds, 1),
+        # BM25 packing (trime-ext) and the training loop; not loading the data
         "cpu_seconds": round(time.process_time() - t0, 1),
+        "process_cpu_seconds": round(time.process_time(), 1),
         "resumed_from": result.resumed_from,
         "final_loss": result.history[-1]["loss"],
+        # mean over the last 10% of the steps (TRIME losses include the memory)
+        "loss_last_10pct": round(sum(h["loss"] for h in last) / len(last), 4),
     }
     (out / name / "train_info.json").write_text(json.dumps(info, indent=2))
     return info
@@ -452,9 +458,10 @@ def main() -> None:
     data = load_data(s)
     rows = []
     for r in runs:
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         res = evaluate_model(r, args.out, s, data)
         res["eval_seconds"] = round(time.time() - t0, 1)
+        res["eval_cpu_seconds"] = round(time.process_time() - c0, 1)
         info_path = args.out / r / "train_info.json"
         res["train"] = json.loads(info_path.read_text()) if info_path.exists() else None
         (args.out / r / "eval.json").write_text(json.dumps(res, indent=2))

@@ -254,3 +254,48 @@ def test_cli_runner_continues_training_an_hf_model(tmp_path: Path) -> None:
         "step-2",
         "step-4",
     ]
+
+
+def test_resume_accepts_operational_changes_only(tmp_path: Path) -> None:
+    segs = stream_segments(_corpus(), 8)
+    cfg = TrainConfig(objective="vanilla", seg_len=8, batch_segments=2, steps=4, save_every=2)
+    train(build_model(TINY, V, 0, seed=4), segs, cfg, tmp_path, progress=False, stop_after=2)
+    with pytest.raises(ValueError, match=r"another configuration \(lr\)"):
+        train(build_model(TINY, V, 0), segs, replace(cfg, lr=1e-3), tmp_path, progress=False)
+    other = replace(cfg, save_every=3, keep_checkpoints=1, threads=1)
+    r = train(build_model(TINY, V, 0), segs, other, tmp_path, progress=False)
+    assert (r.resumed_from, r.steps_done) == (2, 4)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-4"]
+
+
+def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:
+    """`memlm train --arch transformer --tokenizer word --data FILE.txt`: no --init-from."""
+    from memlm.train import TrainRequest
+    from memlm.train.data import WordTokenizer
+    from memlm.train.transformer_train import run
+
+    rng = np.random.default_rng(1)
+    words = ["market", "storm", "minister", "goal", "rain", "shares", "vote", "match"]
+    data = tmp_path / "d.txt"
+    data.write_text("\n\n".join(" ".join(rng.choice(words, size=50)) for _ in range(40)))
+    req = TrainRequest(
+        arch="transformer",
+        out=tmp_path / "run",
+        objective="trime-long",
+        tokenizer="word",
+        vocab_size=20,
+        hidden=16,
+        steps=3,
+        batch_size=4,
+        bptt=8,
+        threads=1,
+        cache_dir=tmp_path / "cache",
+        extra={"data": str(data), "layers": "1", "heads": "2", "long_m": "2"},
+    )
+    summary = run(req)
+    assert summary["complete"] is True and summary["steps"] == 3
+    assert summary["train_tokens"] == 3 * 4 * 8  # full batches
+    tok = WordTokenizer.load(tmp_path / "run" / "model" / "word_tokenizer.json")
+    assert tok.words[:2] == ["<eos>", "<unk>"] and sorted(tok.words[2:]) == sorted(words)
+    assert (tmp_path / "run" / "checkpoints" / "step-3" / "word_tokenizer.json").exists()
+    assert np.isfinite(summary["test_ppl_memory"])
