@@ -266,6 +266,11 @@ def test_resume_accepts_operational_changes_only(tmp_path: Path) -> None:
     r = train(build_model(TINY, V, 0), segs, other, tmp_path, progress=False)
     assert (r.resumed_from, r.steps_done) == (2, 4)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-4"]
+    # starting over deletes them, so that a stale step-4 never outranks the new step-2
+    short = replace(cfg, steps=2)
+    r = train(build_model(TINY, V, 0), segs, short, tmp_path, progress=False, resume=False)
+    assert (r.resumed_from, r.steps_done) == (0, 2)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-2"]
 
 
 def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:

@@ -355,7 +355,8 @@ def train(
 
     ``stop_after`` ends the loop early after that many steps and checkpoints there (a time
     limit, or an interruption in tests): a second call with ``resume`` finishes the run.
-    ``max_seconds`` does the same after that much wall time.
+    ``max_seconds`` does the same after that much wall time. ``resume=False`` starts over
+    and deletes the checkpoints already under ``out_dir``.
     """
     from tqdm import tqdm
 
@@ -374,6 +375,10 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start, history = 0, []
+    if not resume:  # start over: older checkpoints would otherwise outrank the new ones
+        for old in _checkpoints(out_dir):
+            log.warning("resume=False: deleting %s", old)
+            shutil.rmtree(old)
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         from safetensors.torch import load_file
