@@ -636,11 +636,13 @@ def run(req: Any) -> dict[str, Any]:
     """Runner for ``memlm train --arch transformer`` (see :class:`memlm.train.TrainRequest`).
 
     ``--objective`` vanilla | trime | trime-long | trime-ext; ``--bptt`` is the segment
-    length L and ``--batch-size`` the segments per batch B. ``--set`` keys: ``init_from``
-    (HF id or folder, or ``smollm2-135m``: continue training it), ``data`` (a .txt or
-    .jsonl file, with ``init_from``), ``layers``, ``heads``, ``ffn``, ``long_m``,
+    length L and ``--batch-size`` the segments per batch B (every batch holds B full rows
+    of the document stream). ``--set`` keys: ``init_from`` (HF id or folder, or
+    ``smollm2-135m``: continue training it, with its own tokenizer), ``data`` (a .txt or
+    .jsonl file instead of ``--corpus``), ``layers``, ``heads``, ``ffn``, ``long_m``,
     ``p_drop_local``, ``bm25`` (false: random batching), ``vanilla_frac``, ``save_every``,
-    ``resume`` (default true), ``tau`` (evaluation).
+    ``keep_checkpoints``, ``resume`` (default true; false starts over), ``tau``
+    (evaluation).
     """
     from memlm.corpus import load_corpus
     from memlm.train.data import encode_corpus, load_encoded_splits, split_documents
@@ -710,6 +712,7 @@ def run(req: Any) -> dict[str, Any]:
         bm25=_opt(ex, "bm25", True),
         seed=req.seed,
         save_every=_opt(ex, "save_every", 100),
+        keep_checkpoints=_opt(ex, "keep_checkpoints", 2),
         threads=req.threads,
     )
     segs = stream_segments(train_c, cfg.seg_len, rows_multiple=cfg.batch_segments)
