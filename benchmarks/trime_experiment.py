@@ -11,6 +11,7 @@ and lambda tuned on dev. docs/trime.md has the commands and the results.
     python benchmarks/trime_experiment.py train --run vanilla   # one run per call
     python benchmarks/trime_experiment.py eval --run vanilla    # writes OUT/RUN/eval.json
     python benchmarks/trime_experiment.py table                 # the tables, from eval.json
+    python benchmarks/trime_experiment.py diagnose              # loss curves, memory share
 
 Runs: vanilla, trime, trime-long, trime-ext, trime-ext-random (the "w/o BM25" ablation).
 """
@@ -277,6 +278,48 @@ def _ext_only(o: SegmentOutputs, raw: torch.Tensor, vals: torch.Tensor, et: floa
     return interpolate(lm, p8, lam, has)
 
 
+@torch.inference_mode()
+def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
+    """Training loss per 100 steps, and how much of Eq. 6's denominator the local memory takes.
+
+    The share is exp(LSE of the memory scores) / (that + exp(LSE of the logits)) at tau = 1
+    (the training scale), averaged over the dev positions that have a local memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from memlm.train.transformer_train import forward_with_keys, latest_checkpoint
+
+    _, _, dev_c, _ = data
+    ckpt = latest_checkpoint(out / name)
+    assert ckpt is not None, f"no checkpoint under {out / name}"
+    history = torch.load(ckpt / "trainer_state.pt", weights_only=False)["history"]
+    losses = [h["loss"] for h in history]
+    per_100 = [
+        round(sum(losses[a : a + 100]) / len(losses[a : a + 100]), 3)
+        for a in range(0, len(losses), 100)
+    ]
+    model = AutoModelForCausalLM.from_pretrained(out / name / "model").eval()
+    segs = make_segments(dev_c, s.seg_len)
+    shares = []
+    for a in range(0, len(segs), 16):
+        logits, keys = forward_with_keys(model, torch.from_numpy(segs.x[a : a + 16]))
+        lse = torch.logsumexp(logits, dim=-1)  # (b, L)
+        sim = keys @ keys.transpose(1, 2) / math.sqrt(keys.shape[-1])  # (b, L, L)
+        valid = torch.from_numpy(segs.valid[a : a + 16])
+        earlier = torch.ones(s.seg_len, s.seg_len, dtype=torch.bool).tril(-1)
+        vis = earlier.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
+        mem = torch.logsumexp(sim.masked_fill(~vis, float("-inf")), dim=-1)
+        has = vis.any(-1)
+        shares.append(torch.sigmoid(mem - lse)[has])
+    share = torch.cat(shares)
+    return {
+        "run": name,
+        "train_loss_per_100_steps": per_100,
+        "dev_local_memory_share": round(float(share.mean()), 3),
+        "dev_positions": int(share.numel()),
+    }
+
+
 # --- inference side on the frozen SmolLM2: the news slice ---------------------------------
 
 
@@ -410,7 +453,7 @@ def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("phase", choices=["train", "eval", "table", "news"])
+    ap.add_argument("phase", choices=["train", "eval", "table", "diagnose", "news"])
     ap.add_argument("--run", choices=list(RUNS), action="append")
     ap.add_argument("--out", type=Path, default=Path("runs/trime"))
     ap.add_argument("--steps", type=int, default=Setup.steps)
@@ -457,6 +500,16 @@ def main() -> None:
     if args.phase == "train":
         for r in runs:
             print(json.dumps(train_run(r, args.out, s)), flush=True)
+        return
+    if args.phase == "diagnose":
+        data = load_data(s)
+        print("\n| run | training loss, mean per 100 steps | local memory share of Eq. 6 on dev |")
+        print("|---|---|---:|")
+        for r in runs:
+            d = diagnose(r, args.out, s, data)
+            (args.out / r / "diagnose.json").write_text(json.dumps(d, indent=2))
+            curve = ", ".join(f"{x:.2f}" for x in d["train_loss_per_100_steps"])
+            print(f"| {LABELS[r]} | {curve} | {d['dev_local_memory_share']:.3f} |", flush=True)
         return
     if args.phase == "table":  # the tables again, from the eval.json files
         print_tables([json.loads((args.out / r / "eval.json").read_text()) for r in runs])
