@@ -312,12 +312,26 @@ def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
         has = vis.any(-1)
         shares.append(torch.sigmoid(mem - lse)[has])
     share = torch.cat(shares)
-    return {
+    res: dict[str, Any] = {
         "run": name,
         "train_loss_per_100_steps": per_100,
         "dev_local_memory_share": round(float(share.mean()), 3),
         "dev_positions": int(share.numel()),
     }
+    if name == "trime-ext":  # how much of each stretch of the plan follows a BM25 neighbour
+        from memlm.train.bm25_batching import bm25_neighbours, greedy_chain
+
+        splits, train_c, _, _ = data
+        rows = stream_segments(train_c, s.seg_len, rows_multiple=s.batch_segments)
+        nb = bm25_neighbours(segment_texts(rows, splits.tokenizer.decode), 20)
+        order = greedy_chain(nb, s.seed * 1000)  # epoch 0, as batch_plan seeds it
+        follows = [order[i + 1] in nb[order[i]] for i in range(len(order) - 1)] + [False]
+        span = 100 * s.batch_segments
+        res["bm25_links_per_100_steps"] = [
+            round(sum(follows[a : a + span]) / span, 3)
+            for a in range(0, s.steps * s.batch_segments, span)
+        ]
+    return res
 
 
 # --- inference side on the frozen SmolLM2: the news slice ---------------------------------
@@ -510,6 +524,9 @@ def main() -> None:
             (args.out / r / "diagnose.json").write_text(json.dumps(d, indent=2))
             curve = ", ".join(f"{x:.2f}" for x in d["train_loss_per_100_steps"])
             print(f"| {LABELS[r]} | {curve} | {d['dev_local_memory_share']:.3f} |", flush=True)
+            if "bm25_links_per_100_steps" in d:
+                links = ", ".join(f"{x:.3f}" for x in d["bm25_links_per_100_steps"])
+                print(f"|   (BM25 chain links to a neighbour, per 100 steps) | {links} | |")
         return
     if args.phase == "table":  # the tables again, from the eval.json files
         print_tables([json.loads((args.out / r / "eval.json").read_text()) for r in runs])
