@@ -1,14 +1,17 @@
 """TRIME on the news stream: vanilla vs TrimeLM vs TrimeLM_long vs TrimeLM_ext (+ w/o BM25).
 
-Same model (LlamaConfig, hidden 128, 4 layers, SmolLM2 tokenizer, tied embeddings), same
-training slice, same steps and seed for every run; only the objective and the batching
-differ. Each model is then evaluated (Table 7 of the paper) with no memory, local memory,
-local + long-term memory, and local + long-term + external memory (a datastore of the
-model's own keys over a slice of the training split, FullMem or MoNIM), with tau,
-the number of long-term segments, the external temperature and lambda tuned on dev.
+Same model (LlamaConfig, hidden 128, 8 layers, SmolLM2 tokenizer, tied embeddings), same
+training slice cut into full rows of the document stream, same steps and seed for every
+run; only the objective and the batching differ. Each model is then evaluated (Table 7 of
+the paper) with no memory, local memory, local + long-term memory, and local + long-term
++ external memory (a datastore of the model's own keys over a slice of the training split,
+FullMem or MoNIM), with tau, the number of long-term segments, the external temperature
+and lambda tuned on dev. docs/trime.md has the commands and the results.
 
-    heavy python benchmarks/trime_experiment.py train --run vanilla   # one run per call
-    heavy python benchmarks/trime_experiment.py eval                  # prints the table
+    python benchmarks/trime_experiment.py train --run vanilla   # one run per call
+    python benchmarks/trime_experiment.py eval --run vanilla    # writes OUT/RUN/eval.json
+    python benchmarks/trime_experiment.py table                 # the tables, from eval.json
+    python benchmarks/trime_experiment.py diagnose              # loss curves, memory share
 
 Runs: vanilla, trime, trime-long, trime-ext, trime-ext-random (the "w/o BM25" ablation).
 """
@@ -20,13 +23,13 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits
+from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits, stream_segments
 from memlm.train.transformer_train import (
     ModelConfig,
     SegmentOutputs,
@@ -69,16 +72,25 @@ MONIM_DELTA = -1.5  # DESIGN.md's default threshold
 
 @dataclass(frozen=True)
 class Setup:
-    train_tokens: int = 300_000
+    # 825k targets: 6,440 rows of 128, one epoch of 805 batches of 8 (800 steps use 99%)
+    train_tokens: int = 825_000
     dev_tokens: int = 20_000
     test_tokens: int = 40_000
     datastore_tokens: int = 100_000  # external memory: this much of the training slice
     k: int = 64  # retrieved external neighbours per query
     seg_len: int = 128
     batch_segments: int = 8
-    steps: int = 200
+    steps: int = 800  # about 1,400 CPU-seconds a run on one thread (docs/trime.md)
     lr: float = 2e-3
+    hidden: int = 128
+    layers: int = 8  # the paper's 7M ablation model: 8 layers, hidden 128, 4 heads, FFN 512
+    heads: int = 4
     seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            hidden=self.hidden, layers=self.layers, heads=self.heads, ffn=4 * self.hidden
+        )
 
 
 def load_data(s: Setup) -> tuple[EncodedSplits, EncodedCorpus, EncodedCorpus, EncodedCorpus]:
@@ -103,15 +115,20 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
         steps=s.steps,
         lr=s.lr,
         seed=s.seed,
-        save_every=50,
+        save_every=100,
         **RUNS[name],
     )
     model = build_model(
-        ModelConfig(), splits.tokenizer.vocab_size, splits.tokenizer.boundary_id, s.seed
+        s.model_config(), splits.tokenizer.vocab_size, splits.tokenizer.boundary_id, s.seed
     )
-    segs = make_segments(train_c, cfg.seg_len)
+    # full rows of the document stream, a multiple of B: every batch holds B * L targets
+    segs = stream_segments(train_c, cfg.seg_len, rows_multiple=cfg.batch_segments)
     t0 = time.process_time()
-    texts = segment_texts(segs, splits.tokenizer.decode) if name == "trime-ext" else None
+    texts = (
+        segment_texts(segs, splits.tokenizer.decode)
+        if cfg.objective == "trime-ext" and cfg.bm25
+        else None
+    )
     result = train(
         model,
         segs,
@@ -120,15 +137,22 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
         tokenizer=AutoTokenizer.from_pretrained(bundled_tokenizer_path()),
         texts=texts,
     )
+    last = result.history[-max(1, len(result.history) // 10) :]
     info = {
         "run": name,
+        "setup": asdict(s),
         "parameters": parameter_counts(model),
         "segments": len(segs),
+        "epochs": round(s.steps * s.batch_segments / len(segs), 3),
         "train_tokens_seen": result.tokens,
         "wall_seconds": round(result.seconds, 1),
+        # BM25 packing (trime-ext) and the training loop; not loading the data
         "cpu_seconds": round(time.process_time() - t0, 1),
+        "process_cpu_seconds": round(time.process_time(), 1),
         "resumed_from": result.resumed_from,
         "final_loss": result.history[-1]["loss"],
+        # mean over the last 10% of the steps (TRIME losses include the memory)
+        "loss_last_10pct": round(sum(h["loss"] for h in last) / len(last), 4),
     }
     (out / name / "train_info.json").write_text(json.dumps(info, indent=2))
     return info
@@ -252,6 +276,62 @@ def _ext_only(o: SegmentOutputs, raw: torch.Tensor, vals: torch.Tensor, et: floa
     lm = o.gold_logit - o.lse
     p8, has = memory_gold_logprob(raw / et, vals, o.targets)
     return interpolate(lm, p8, lam, has)
+
+
+@torch.inference_mode()
+def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
+    """Training loss per 100 steps, and how much of Eq. 6's denominator the local memory takes.
+
+    The share is exp(LSE of the memory scores) / (that + exp(LSE of the logits)) at tau = 1
+    (the training scale), averaged over the dev positions that have a local memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from memlm.train.transformer_train import forward_with_keys, latest_checkpoint
+
+    _, _, dev_c, _ = data
+    ckpt = latest_checkpoint(out / name)
+    assert ckpt is not None, f"no checkpoint under {out / name}"
+    history = torch.load(ckpt / "trainer_state.pt", weights_only=False)["history"]
+    losses = [h["loss"] for h in history]
+    per_100 = [
+        round(sum(losses[a : a + 100]) / len(losses[a : a + 100]), 3)
+        for a in range(0, len(losses), 100)
+    ]
+    model = AutoModelForCausalLM.from_pretrained(out / name / "model").eval()
+    segs = make_segments(dev_c, s.seg_len)
+    shares = []
+    for a in range(0, len(segs), 16):
+        logits, keys = forward_with_keys(model, torch.from_numpy(segs.x[a : a + 16]))
+        lse = torch.logsumexp(logits, dim=-1)  # (b, L)
+        sim = keys @ keys.transpose(1, 2) / math.sqrt(keys.shape[-1])  # (b, L, L)
+        valid = torch.from_numpy(segs.valid[a : a + 16])
+        earlier = torch.ones(s.seg_len, s.seg_len, dtype=torch.bool).tril(-1)
+        vis = earlier.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
+        mem = torch.logsumexp(sim.masked_fill(~vis, float("-inf")), dim=-1)
+        has = vis.any(-1)
+        shares.append(torch.sigmoid(mem - lse)[has])
+    share = torch.cat(shares)
+    res: dict[str, Any] = {
+        "run": name,
+        "train_loss_per_100_steps": per_100,
+        "dev_local_memory_share": round(float(share.mean()), 3),
+        "dev_positions": int(share.numel()),
+    }
+    if name == "trime-ext":  # how much of each stretch of the plan follows a BM25 neighbour
+        from memlm.train.bm25_batching import bm25_neighbours, greedy_chain
+
+        splits, train_c, _, _ = data
+        rows = stream_segments(train_c, s.seg_len, rows_multiple=s.batch_segments)
+        nb = bm25_neighbours(segment_texts(rows, splits.tokenizer.decode), 20)
+        order = greedy_chain(nb, s.seed * 1000)  # epoch 0, as batch_plan seeds it
+        follows = [order[i + 1] in nb[order[i]] for i in range(len(order) - 1)] + [False]
+        span = 100 * s.batch_segments
+        res["bm25_links_per_100_steps"] = [
+            round(sum(follows[a : a + span]) / span, 3)
+            for a in range(0, s.steps * s.batch_segments, span)
+        ]
+    return res
 
 
 # --- inference side on the frozen SmolLM2: the news slice ---------------------------------
@@ -387,7 +467,7 @@ def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("phase", choices=["train", "eval", "news"])
+    ap.add_argument("phase", choices=["train", "eval", "table", "diagnose", "news"])
     ap.add_argument("--run", choices=list(RUNS), action="append")
     ap.add_argument("--out", type=Path, default=Path("runs/trime"))
     ap.add_argument("--steps", type=int, default=Setup.steps)
@@ -396,6 +476,12 @@ def main() -> None:
     ap.add_argument("--test-tokens", type=int, default=Setup.test_tokens)
     ap.add_argument("--datastore-tokens", type=int, default=Setup.datastore_tokens)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=Setup.hidden)
+    ap.add_argument("--layers", type=int, default=Setup.layers)
+    ap.add_argument("--heads", type=int, default=Setup.heads)
+    ap.add_argument("--batch-segments", type=int, default=Setup.batch_segments)
+    ap.add_argument("--seg-len", type=int, default=Setup.seg_len)
+    ap.add_argument("--lr", type=float, default=Setup.lr)
     ap.add_argument("--days", type=int, default=5, help="news phase: days of the stream")
     ap.add_argument("--start", default="2017-02-13", help="news phase: first day")
     ap.add_argument("--max-docs-per-day", type=int, default=20, help="news phase")
@@ -407,6 +493,12 @@ def main() -> None:
         dev_tokens=args.dev_tokens,
         test_tokens=args.test_tokens,
         datastore_tokens=args.datastore_tokens,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        batch_segments=args.batch_segments,
+        seg_len=args.seg_len,
+        lr=args.lr,
     )
     runs = args.run or list(RUNS)
     if args.phase == "news":
@@ -423,31 +515,77 @@ def main() -> None:
         for r in runs:
             print(json.dumps(train_run(r, args.out, s)), flush=True)
         return
+    if args.phase == "diagnose":
+        data = load_data(s)
+        print("\n| run | training loss, mean per 100 steps | local memory share of Eq. 6 on dev |")
+        print("|---|---|---:|")
+        for r in runs:
+            d = diagnose(r, args.out, s, data)
+            (args.out / r / "diagnose.json").write_text(json.dumps(d, indent=2))
+            curve = ", ".join(f"{x:.2f}" for x in d["train_loss_per_100_steps"])
+            print(f"| {LABELS[r]} | {curve} | {d['dev_local_memory_share']:.3f} |", flush=True)
+            if "bm25_links_per_100_steps" in d:
+                links = ", ".join(f"{x:.3f}" for x in d["bm25_links_per_100_steps"])
+                print(f"|   (BM25 chain links to a neighbour, per 100 steps) | {links} | |")
+        return
+    if args.phase == "table":  # the tables again, from the eval.json files
+        print_tables([json.loads((args.out / r / "eval.json").read_text()) for r in runs])
+        return
     data = load_data(s)
     rows = []
     for r in runs:
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         res = evaluate_model(r, args.out, s, data)
         res["eval_seconds"] = round(time.time() - t0, 1)
+        res["eval_cpu_seconds"] = round(time.process_time() - c0, 1)
         info_path = args.out / r / "train_info.json"
         res["train"] = json.loads(info_path.read_text()) if info_path.exists() else None
         (args.out / r / "eval.json").write_text(json.dumps(res, indent=2))
         rows.append(res)
         print(json.dumps(res), flush=True)
-    cols = [
-        "none",
-        "local",
-        "local+long",
-        "ext(FullMem)",
-        "ext(MoNIM)",
-        "local+long+ext(FullMem)",
-        "local+long+ext(MoNIM)",
-    ]
-    print("\n| model | " + " | ".join(cols) + " | meant for |")
-    print("|---|" + "---|" * (len(cols) + 1))
+    print_tables(rows)
+
+
+COLUMNS = [
+    "none",
+    "local",
+    "local+long",
+    "ext(FullMem)",
+    "ext(MoNIM)",
+    "local+long+ext(FullMem)",
+    "local+long+ext(MoNIM)",
+]
+LABELS = {
+    "vanilla": "vanilla",
+    "trime": "TrimeLM",
+    "trime-long": "TrimeLM_long",
+    "trime-ext": "TrimeLM_ext",
+    "trime-ext-random": "TrimeLM_ext w/o BM25 batching",
+}
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    """Markdown: training cost, then test perplexity (the intended memory in bold)."""
+    print("\n| run | targets seen | epochs | CPU s | wall s | loss, last 10% of steps |")
+    print("|---|---:|---:|---:|---:|---:|")
     for res in rows:
-        cells = [f"{res['test_ppl'][c]:.1f}" for c in cols]
-        print(f"| {res['run']} | " + " | ".join(cells) + f" | {MEANT_FOR[res['run']]} |")
+        t = res["train"]
+        print(
+            f"| {LABELS[res['run']]} | {t['train_tokens_seen']:,} | {t['epochs']} "
+            f"| {t['cpu_seconds']:.0f} | {t['wall_seconds']:.0f} | {t['loss_last_10pct']:.3f} |"
+        )
+    print("\n| model | " + " | ".join(COLUMNS) + " | eval CPU s |")
+    print("|---|" + "---:|" * (len(COLUMNS) + 1))
+    for res in rows:
+        cells = [
+            f"**{res['test_ppl'][c]:.1f}**"
+            if c == MEANT_FOR[res["run"]]
+            else f"{res['test_ppl'][c]:.1f}"
+            for c in COLUMNS
+        ]
+        print(
+            f"| {LABELS[res['run']]} | " + " | ".join(cells) + f" | {res['eval_cpu_seconds']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

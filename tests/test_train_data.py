@@ -10,11 +10,13 @@ from memlm.train.data import (
     EncodedCorpus,
     WordTokenizer,
     bptt_batches,
+    consecutive_batches,
     document_segments,
     encode_corpus,
+    make_segments,
     positions_in_document,
-    segment_batches,
     split_documents,
+    stream_segments,
     word_spans,
     word_tokens,
 )
@@ -144,19 +146,61 @@ def test_document_segments_are_consecutive():
     assert [s[1].tolist() for s in segs] == [[5, 6, 7, 8], [9, 0]]
 
 
-def test_segment_batches_group_m_segments_of_one_document():
-    enc = _corpus([8, 1])  # doc 0: 9 pairs -> 3 segments of 3; doc 1: 2 pairs -> 1 segment
-    batches = list(segment_batches(enc, seg_len=3, m=2, batch_size=8))
-    assert len(batches) == 1
-    b = batches[0]
-    assert b.x.shape == (3, 2, 3)
-    assert b.doc_index.tolist() == [0, 0, 1]
-    assert b.first_segment.tolist() == [0, 2, 0]
-    assert b.x[0].tolist() == [[0, 100, 101], [102, 103, 104]]
-    assert b.y[1, 0].tolist() == [106, 107, 0]
-    assert b.mask[1].tolist() == [[True] * 3, [False] * 3]
-    assert b.x[2, 0].tolist() == [0, 200, 0] and b.mask[2, 0].tolist() == [True, True, False]
-    assert int(b.mask.sum()) == enc.n_targets
+def test_make_segments_cut_each_document_on_its_own():
+    enc = _corpus([3, 5, 2])  # pairs: 4, 6, 3 -> rows of 4: 1 + 2 + 1
+    segs = make_segments(enc, 4)
+    assert segs.x.tolist() == [
+        [0, 100, 101, 102],
+        [0, 200, 201, 202],
+        [203, 204, 0, 0],
+        [0, 300, 301, 0],
+    ]
+    assert segs.y[2].tolist() == [204, 0, 0, 0] and segs.y[3].tolist() == [300, 301, 0, 0]
+    assert segs.doc.tolist() == [[0] * 4, [1] * 4, [1, 1, -1, -1], [2, 2, 2, -1]]
+    assert segs.pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, -1, -1], [0, 1, 2, -1]]
+    assert int(segs.valid.sum()) == enc.n_targets
+
+
+def test_stream_segments_are_full_rows_across_documents():
+    enc = _corpus([3, 5, 2])  # 13 pairs -> 3 full rows of 4, the last pair dropped
+    segs = stream_segments(enc, 4)
+    assert segs.x.tolist() == [[0, 100, 101, 102], [0, 200, 201, 202], [203, 204, 0, 300]]
+    assert segs.y.tolist() == [[100, 101, 102, 0], [200, 201, 202, 203], [204, 0, 300, 301]]
+    assert segs.doc.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 2, 2]]
+    assert segs.pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 0, 1]]
+    assert bool(segs.valid.all())
+    assert len(stream_segments(enc, 4, rows_multiple=2)) == 2
+    assert len(stream_segments(enc, 1)) == enc.n_targets
+    with pytest.raises(ValueError):
+        stream_segments(enc, 4, rows_multiple=4)  # 13 pairs cannot fill 4 rows of 4
+
+
+def test_both_layouts_keep_every_pair_with_its_document_and_position():
+    enc = _corpus([7, 1, 29, 3, 12, 2, 18])
+    for segs in (make_segments(enc, 5), stream_segments(enc, 5)):
+        v = segs.valid
+        for x, y, d, p in zip(segs.x[v], segs.y[v], segs.doc[v], segs.pos[v], strict=True):
+            assert (x, y) == (enc.doc(d)[p], enc.doc(d)[p + 1])
+        pairs = list(zip(segs.doc[v].tolist(), segs.pos[v].tolist(), strict=True))
+        assert pairs == sorted(pairs) and len(set(pairs)) == len(pairs)
+    assert int(make_segments(enc, 5).valid.sum()) == enc.n_targets == 79
+    assert int(stream_segments(enc, 5).valid.sum()) == 75  # 15 full rows; 4 pairs dropped
+
+
+def test_consecutive_batches_hold_whole_groups():
+    batches = consecutive_batches(12, batch_segments=4, m=2, seed=0)
+    assert [len(b) for b in batches] == [4, 4, 4]
+    assert sorted(r for b in batches for r in b) == list(range(12))
+    for b in batches:
+        assert b[0] % 2 == 0 and b[1] == b[0] + 1 and b[2] % 2 == 0 and b[3] == b[2] + 1
+    assert batches == consecutive_batches(12, 4, 2, seed=0)
+    assert any(consecutive_batches(12, 4, 2, seed=s) != batches for s in range(1, 4))
+    # a row count that is not a multiple of m leaves one short group (and one short batch)
+    odd = consecutive_batches(11, 4, 2, seed=0)
+    assert sorted(len(b) for b in odd) == [3, 4, 4]
+    assert sorted(r for b in odd for r in b) == list(range(11))
+    with pytest.raises(ValueError):
+        consecutive_batches(12, 6, 4)
 
 
 def test_bad_arguments_raise():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.train.data import EncodedCorpus
+from memlm.train.data import EncodedCorpus, stream_segments
 from memlm.train.transformer_train import (
     ModelConfig,
     TrainConfig,
@@ -23,7 +23,7 @@ from memlm.train.transformer_train import (
     perplexity,
     train,
 )
-from memlm.train.trime import lm_token_loss
+from memlm.train.trime import lm_token_loss, memory_mask
 
 V = 40
 TINY = ModelConfig(hidden=16, layers=1, heads=2, ffn=32, max_positions=64)
@@ -46,43 +46,66 @@ def _corpus(n_docs: int = 6, seed: int = 0) -> EncodedCorpus:
     )
 
 
-def test_make_segments_covers_every_pair_once() -> None:
-    corpus = _corpus()
-    segs = make_segments(corpus, 8)
-    assert int(segs.valid.sum()) == corpus.n_targets
-    for i in range(len(corpus)):
-        rows = np.flatnonzero(segs.doc == i)
-        assert segs.order[rows].tolist() == list(range(len(rows)))
-        x = np.concatenate([segs.x[r][segs.valid[r]] for r in rows])
-        y = np.concatenate([segs.y[r][segs.valid[r]] for r in rows])
-        assert x.tolist() == corpus.doc(i)[:-1].tolist()
-        assert y.tolist() == corpus.doc(i)[1:].tolist()
+def _uneven_corpus() -> EncodedCorpus:
+    """Documents of 1 to 29 tokens (2 to 30 pairs): some shorter than one segment of 4."""
+    lengths = [7, 1, 29, 3, 12, 2, 18, 5, 1, 22, 9, 4]
+    seqs = [
+        np.array([0, *range(100 * (i + 1), 100 * (i + 1) + n), 0]) for i, n in enumerate(lengths)
+    ]
+    return EncodedCorpus(
+        ids=np.concatenate(seqs).astype(np.int32),
+        offsets=np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
+        doc_ids=[f"d{i}" for i in range(len(lengths))],
+        boundary_id=0,
+    )
 
 
-def test_plans() -> None:
-    segs = make_segments(_corpus(), 4)
-    long_cfg = TrainConfig(objective="trime-long", seg_len=4, batch_segments=4, long_m=2, steps=9)
-    plan = batch_plan(segs, long_cfg)
-    assert len(plan) == 9 and plan == batch_plan(segs, long_cfg)
-    n_pairs = 0
+def test_trime_long_batches_are_full_and_memory_stays_in_its_document() -> None:
+    corpus = _uneven_corpus()  # 125 pairs
+    B, L, m = 4, 4, 2
+    segs = stream_segments(corpus, L, rows_multiple=B)
+    assert len(segs) == 28  # 31 rows of 4, rounded down to a multiple of B
+    epoch = len(segs) // B
+    cfg = TrainConfig(
+        objective="trime-long", seg_len=L, batch_segments=B, long_m=m, steps=2 * epoch
+    )
+    plan = batch_plan(segs, cfg)
+    assert plan == batch_plan(segs, cfg) and len(plan) == 2 * epoch
+    for e in range(2):  # each epoch covers every segment exactly once
+        rows = sorted(r for batch in plan[e * epoch : (e + 1) * epoch] for r in batch)
+        assert rows == list(range(len(segs)))
+    assert plan[:epoch] != plan[epoch:]  # reshuffled every epoch
+    cross_segment, several_docs = 0, 0
     for rows in plan:
-        assert len(rows) <= 4
-        for d in set(segs.doc[rows].tolist()):
-            orders = [int(segs.order[r]) for r in rows if segs.doc[r] == d]
-            # one group of m = 2 consecutive segments (a single one at a document's end)
-            assert orders[0] % 2 == 0 and orders == list(range(orders[0], orders[0] + len(orders)))
-            n_pairs += len(orders) == 2
-    assert n_pairs > 0
-    n_groups = sum(-(-int((segs.doc == d).sum()) // 2) for d in set(segs.doc.tolist()))
-    epoch = batch_plan(segs, replace(long_cfg, steps=-(-n_groups // 2)))
-    assert sorted(r for rows in epoch for r in rows) == list(range(len(segs)))
-    texts = [" ".join(f"w{t}" for t in segs.x[i]) for i in range(len(segs))]
+        assert len(rows) == B and int(segs.valid[rows].sum()) == B * L
+        # whole groups of m consecutive segments of the stream
+        assert rows[1] == rows[0] + 1 and rows[3] == rows[2] + 1 and rows[0] % m == 0
+        doc, pos = torch.from_numpy(segs.doc[rows]), torch.from_numpy(segs.pos[rows])
+        vis = memory_mask(doc, pos, "long")
+        d, p = doc.reshape(-1), pos.reshape(-1)
+        want = (d.view(-1, 1) == d.view(1, -1)) & (p.view(1, -1) < p.view(-1, 1))
+        assert torch.equal(vis, want)  # exactly the earlier pairs of the same document
+        row = torch.arange(B * L) // L
+        cross_segment += int((vis & (row.view(-1, 1) != row.view(1, -1))).sum())
+        several_docs += int(len(set(d.tolist())) > 1)
+    assert cross_segment > 0 and several_docs > 0  # the masks above were not vacuous
+
+
+def test_every_objective_gets_full_batches() -> None:
+    segs = stream_segments(_uneven_corpus(), 4, rows_multiple=4)
+    texts = [" ".join(f"w{t % 7}" for t in segs.x[i]) for i in range(len(segs))]
+    for objective in ("vanilla", "trime", "trime-ext"):
+        cfg = TrainConfig(objective=objective, seg_len=4, batch_segments=4, steps=7)  # type: ignore[arg-type]
+        plan = batch_plan(segs, cfg, texts)
+        assert [len(rows) for rows in plan] == [4] * 7
+        assert sorted(r for rows in plan for r in rows) == list(range(len(segs)))
+        assert plan == batch_plan(segs, cfg, texts)
     ext_cfg = TrainConfig(objective="trime-ext", seg_len=4, batch_segments=4, steps=3)
-    assert batch_plan(segs, ext_cfg, texts) == batch_plan(segs, ext_cfg, texts)
     with pytest.raises(ValueError):
-        batch_plan(segs, ext_cfg)
-    rand = batch_plan(segs, replace(ext_cfg, bm25=False))
-    assert [len(r) for r in rand] == [4, 4, 4]
+        batch_plan(segs, ext_cfg)  # BM25 batching needs the texts
+    assert batch_plan(segs, replace(ext_cfg, bm25=False)) != batch_plan(segs, ext_cfg, texts)
+    with pytest.raises(ValueError):
+        TrainConfig(objective="trime-long", batch_segments=6, long_m=4)
 
 
 def test_first_updates_use_the_plain_loss() -> None:
@@ -103,7 +126,7 @@ def test_first_updates_use_the_plain_loss() -> None:
 
 @pytest.mark.parametrize("objective", ["vanilla", "trime", "trime-long", "trime-ext"])
 def test_single_step_decreases_loss_on_a_fixed_batch(objective: str) -> None:
-    segs = make_segments(_corpus(), 8)
+    segs = stream_segments(_corpus(), 8)  # rows end one document and start the next
     cfg = TrainConfig(
         objective=objective,  # type: ignore[arg-type]
         seg_len=8,
@@ -114,7 +137,8 @@ def test_single_step_decreases_loss_on_a_fixed_batch(objective: str) -> None:
     )
     model = build_model(TINY, V, 0, seed=1)
     rows = [0, 1, 2, 3]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    # 0.1: one small step; at 0.5 the trime-ext loss (memory over the whole batch) overshoots
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before, _ = batch_loss(model, segs, rows, cfg, step=5)
     opt.zero_grad()
     before.backward()
@@ -133,6 +157,11 @@ def test_hf_checkpoint_and_exact_resume(tmp_path: Path) -> None:
     full = build_model(TINY, V, 0, seed=2)
     r = train(full, segs, cfg, tmp_path / "full", progress=False)
     assert r.steps_done == 6 and r.resumed_from == 0 and len(r.history) == 6
+    # saved at 2, 4, 6; the two latest are kept
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == [
+        "step-4",
+        "step-6",
+    ]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "model")
     x = torch.from_numpy(segs.x[:2])
     with torch.no_grad():
@@ -169,6 +198,11 @@ def test_parameter_counts_and_memory_eval() -> None:
     later = torch.from_numpy(out.seg_start > 0) & first_of_segment
     assert bool(later.any()) and not torch.allclose(long[later], lm[later], atol=1e-4)
     assert perplexity(torch.log(torch.tensor([0.5, 0.125]))) == pytest.approx(4.0)
+    # over stream rows, a document that starts inside a row starts its own segment there
+    stream = encode_segments(model, stream_segments(_corpus(), 8))
+    assert stream.doc.tolist()[:24] == [0] * 19 + [1] * 5
+    assert stream.pos.tolist()[16:24] == [16, 17, 18, 0, 1, 2, 3, 4]
+    assert stream.seg_start.tolist()[16:24] == [16, 16, 16, 0, 0, 0, 0, 0]
 
 
 def test_read_text_documents(tmp_path: Path) -> None:
@@ -220,3 +254,53 @@ def test_cli_runner_continues_training_an_hf_model(tmp_path: Path) -> None:
         "step-2",
         "step-4",
     ]
+
+
+def test_resume_accepts_operational_changes_only(tmp_path: Path) -> None:
+    segs = stream_segments(_corpus(), 8)
+    cfg = TrainConfig(objective="vanilla", seg_len=8, batch_segments=2, steps=4, save_every=2)
+    train(build_model(TINY, V, 0, seed=4), segs, cfg, tmp_path, progress=False, stop_after=2)
+    with pytest.raises(ValueError, match=r"another configuration \(lr\)"):
+        train(build_model(TINY, V, 0), segs, replace(cfg, lr=1e-3), tmp_path, progress=False)
+    other = replace(cfg, save_every=3, keep_checkpoints=1, threads=1)
+    r = train(build_model(TINY, V, 0), segs, other, tmp_path, progress=False)
+    assert (r.resumed_from, r.steps_done) == (2, 4)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-4"]
+    # starting over deletes them, so that a stale step-4 never outranks the new step-2
+    short = replace(cfg, steps=2)
+    r = train(build_model(TINY, V, 0), segs, short, tmp_path, progress=False, resume=False)
+    assert (r.resumed_from, r.steps_done) == (0, 2)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-2"]
+
+
+def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:
+    """`memlm train --arch transformer --tokenizer word --data FILE.txt`: no --init-from."""
+    from memlm.train import TrainRequest
+    from memlm.train.data import WordTokenizer
+    from memlm.train.transformer_train import run
+
+    rng = np.random.default_rng(1)
+    words = ["market", "storm", "minister", "goal", "rain", "shares", "vote", "match"]
+    data = tmp_path / "d.txt"
+    data.write_text("\n\n".join(" ".join(rng.choice(words, size=50)) for _ in range(40)))
+    req = TrainRequest(
+        arch="transformer",
+        out=tmp_path / "run",
+        objective="trime-long",
+        tokenizer="word",
+        vocab_size=20,
+        hidden=16,
+        steps=3,
+        batch_size=4,
+        bptt=8,
+        threads=1,
+        cache_dir=tmp_path / "cache",
+        extra={"data": str(data), "layers": "1", "heads": "2", "long_m": "2"},
+    )
+    summary = run(req)
+    assert summary["complete"] is True and summary["steps"] == 3
+    assert summary["train_tokens"] == 3 * 4 * 8  # full batches
+    tok = WordTokenizer.load(tmp_path / "run" / "model" / "word_tokenizer.json")
+    assert tok.words[:2] == ["<eos>", "<unk>"] and sorted(tok.words[2:]) == sorted(words)
+    assert (tmp_path / "run" / "checkpoints" / "step-3" / "word_tokenizer.json").exists()
+    assert np.isfinite(summary["test_ppl_memory"])

@@ -10,14 +10,15 @@ boundary id: the leading ``B`` is the input that predicts ``t_1`` (the recurrent
 reset there) and the trailing ``B`` is the end-of-document target.  So a document of
 ``n`` tokens gives ``n + 1`` (input, target) pairs and no pair crosses two documents.
 
-Two batch layouts are offered:
+Two layouts are offered:
 
 * :func:`bptt_batches` -- truncated BPTT over ``batch_size`` rows, each row a
   concatenation of whole documents; ``reset[b, t]`` says that the state must be zeroed
   before step ``t`` (a document starts there) and ``mask`` marks real targets.
-* :func:`segment_batches` -- ``m`` consecutive segments of one document per batch item
-  (for TRIME's long-term memory, where earlier segments of the same document serve as
-  memory for later ones).
+* :class:`Segments` -- fixed-length rows with the document and position of every pair,
+  for the Transformer: :func:`make_segments` cuts each document on its own (evaluation),
+  :func:`stream_segments` cuts the stream of documents into full rows (training), and
+  :func:`consecutive_batches` groups consecutive rows for TRIME's long-term memory.
 """
 
 from __future__ import annotations
@@ -366,14 +367,17 @@ def load_encoded_splits(
     test_frac: float = 0.05,
     seed: int = 0,
     cache_dir: Path | None = None,
+    docs: Sequence[Document] | None = None,
 ) -> EncodedSplits:
     """Split a stream by document and encode it; ``tokenizer`` is ``word`` or ``subword``.
 
-    The word vocabulary is built from the training split only.
+    ``docs`` replaces the named ``corpus`` when given (``memlm train --data FILE``). The
+    word vocabulary is built from the training split only.
     """
     from memlm.corpus import load_corpus
 
-    splits = split_documents(load_corpus(corpus), dev_frac, test_frac, seed)
+    stream = load_corpus(corpus) if docs is None else docs
+    splits = split_documents(stream, dev_frac, test_frac, seed)
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     tok: Tokenizer
     if tokenizer == "word":
@@ -485,18 +489,38 @@ def positions_in_document(reset: torch.Tensor, start: torch.Tensor | None = None
     return out
 
 
-# --- consecutive segments of a document (TRIME long-term memory) ----------------------------
+# --- fixed-length segments (Transformer training and evaluation) ---------------------------
 
 
 @dataclass(frozen=True)
-class SegmentBatch:
-    """``m`` consecutive segments of one document per item; segment j follows j-1."""
+class Segments:
+    """Rows of ``L`` (input, target) pairs with the document and position of every pair.
 
-    x: torch.Tensor  # (B, m, S) int64 inputs
-    y: torch.Tensor  # (B, m, S) int64 targets
-    mask: torch.Tensor  # (B, m, S) bool: a real target
-    doc_index: torch.Tensor  # (B,) index of the document in the corpus
-    first_segment: torch.Tensor  # (B,) index of the item's first segment in its document
+    ``doc[s, t]`` is the corpus index of the document the pair belongs to and ``pos[s, t]``
+    the index of the pair within that document (0 is the leading boundary input); both are
+    -1 on padding. A row may hold the end of one document and the start of the next
+    (:func:`stream_segments`), so memories are masked per position, never per row.
+    """
+
+    x: np.ndarray  # (S, L) int64 inputs
+    y: np.ndarray  # (S, L) int64 targets
+    valid: np.ndarray  # (S, L) bool: a real target
+    doc: np.ndarray  # (S, L) int64 document index, -1 on padding
+    pos: np.ndarray  # (S, L) int64 pair index within its document, -1 on padding
+
+    def __post_init__(self) -> None:
+        shape = self.x.shape
+        assert len(shape) == 2 and all(
+            a.shape == shape for a in (self.y, self.valid, self.doc, self.pos)
+        )
+        assert bool(np.all((self.doc >= 0) == self.valid)), "doc is -1 exactly on padding"
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def seg_len(self) -> int:
+        return int(self.x.shape[1])
 
 
 def document_segments(seq: np.ndarray, seg_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -511,47 +535,83 @@ def document_segments(seq: np.ndarray, seg_len: int) -> list[tuple[np.ndarray, n
     return [(x[s : s + seg_len], y[s : s + seg_len]) for s in range(0, len(x), seg_len)]
 
 
-def segment_batches(
-    corpus: EncodedCorpus,
-    seg_len: int,
-    m: int,
-    batch_size: int,
-    shuffle_seed: int | None = None,
-    pad_id: int | None = None,
-) -> Iterator[SegmentBatch]:
-    """Batches of groups of ``m`` consecutive segments of the same document.
+def make_segments(corpus: EncodedCorpus, seg_len: int) -> Segments:
+    """Document-aligned rows: each document cut into segments of ``seg_len``, the last padded.
 
-    Each document is cut into segments of ``seg_len`` pairs, and the segments into groups
-    of ``m`` (the last group of a document may be shorter and is padded, as is the last
-    segment).  Groups are yielded in stream order or in a seeded random order.
+    The evaluation layout: a row never mixes documents, and the rows of a document follow
+    each other in corpus order.
     """
-    if m < 1 or batch_size < 1:
-        raise ValueError("m and batch_size must be positive")
-    pad = corpus.boundary_id if pad_id is None else pad_id
-    groups: list[tuple[int, int]] = []  # (doc, first segment)
+    n_rows = sum(-(-(len(corpus.doc(i)) - 1) // seg_len) for i in range(len(corpus)))
+    pad = corpus.boundary_id
+    x = np.full((n_rows, seg_len), pad, np.int64)
+    y = np.full((n_rows, seg_len), pad, np.int64)
+    doc = np.full((n_rows, seg_len), -1, np.int64)
+    pos = np.full((n_rows, seg_len), -1, np.int64)
+    r = 0
     for i in range(len(corpus)):
-        n_seg = -(-(len(corpus.doc(i)) - 1) // seg_len)
-        groups.extend((i, s) for s in range(0, n_seg, m))
-    order = (
-        np.arange(len(groups))
-        if shuffle_seed is None
-        else np.random.default_rng(shuffle_seed).permutation(len(groups))
-    )
-    for start in range(0, len(order), batch_size):
-        chunk = [groups[k] for k in order[start : start + batch_size]]
-        x = np.full((len(chunk), m, seg_len), pad, dtype=np.int64)
-        y = np.full((len(chunk), m, seg_len), pad, dtype=np.int64)
-        mask = np.zeros((len(chunk), m, seg_len), dtype=bool)
-        for b, (i, s0) in enumerate(chunk):
-            segs = document_segments(corpus.doc(i), seg_len)[s0 : s0 + m]
-            for j, (sx, sy) in enumerate(segs):
-                x[b, j, : len(sx)] = sx
-                y[b, j, : len(sy)] = sy
-                mask[b, j, : len(sx)] = True
-        yield SegmentBatch(
-            x=torch.from_numpy(x),
-            y=torch.from_numpy(y),
-            mask=torch.from_numpy(mask),
-            doc_index=torch.tensor([i for i, _ in chunk], dtype=torch.long),
-            first_segment=torch.tensor([s for _, s in chunk], dtype=torch.long),
+        for j, (sx, sy) in enumerate(document_segments(corpus.doc(i), seg_len)):
+            n = len(sx)
+            x[r, :n], y[r, :n] = sx, sy
+            doc[r, :n] = i
+            pos[r, :n] = j * seg_len + np.arange(n)
+            r += 1
+    return Segments(x=x, y=y, valid=doc >= 0, doc=doc, pos=pos)
+
+
+def stream_segments(corpus: EncodedCorpus, seg_len: int, rows_multiple: int = 1) -> Segments:
+    """Full rows: the documents' pairs laid end to end in corpus order, cut every ``seg_len``.
+
+    Every row holds exactly ``seg_len`` real targets (a row may end one document and start
+    the next; the boundary token sits between them, as in the encoded corpus). The number
+    of rows is rounded down to a multiple of ``rows_multiple`` (the batch size, so that
+    every batch of an epoch is full): the dropped tail is fewer than
+    ``rows_multiple * seg_len`` pairs at the end of the corpus.
+    """
+    if seg_len < 1 or rows_multiple < 1:
+        raise ValueError("seg_len and rows_multiple must be positive")
+    lengths = np.diff(corpus.offsets) - 1  # (D,) pairs per document
+    n_rows = int(lengths.sum()) // seg_len // rows_multiple * rows_multiple
+    if n_rows == 0:
+        raise ValueError(
+            f"{int(lengths.sum())} pairs do not fill {rows_multiple} rows of {seg_len}"
         )
+    # the pairs of document i are ids[offsets[i] + p] -> ids[offsets[i] + p + 1], p < len_i
+    doc = np.repeat(np.arange(len(corpus), dtype=np.int64), lengths)
+    starts = np.repeat(
+        corpus.offsets[:-1] - np.cumsum(np.concatenate([[0], lengths[:-1]])), lengths
+    )
+    src = np.arange(len(doc), dtype=np.int64) + starts  # index of the input in ids
+    pos = src - corpus.offsets[:-1][doc]
+    n = n_rows * seg_len
+    ids = corpus.ids.astype(np.int64)
+    shape = (n_rows, seg_len)
+    return Segments(
+        x=ids[src[:n]].reshape(shape),
+        y=ids[src[:n] + 1].reshape(shape),
+        valid=np.ones(shape, dtype=bool),
+        doc=doc[:n].reshape(shape),
+        pos=pos[:n].reshape(shape),
+    )
+
+
+def consecutive_batches(n_rows: int, batch_segments: int, m: int, seed: int = 0) -> list[list[int]]:
+    """TrimeLM_long batches: groups of ``m`` consecutive rows, ``batch_segments // m`` a batch.
+
+    Over :func:`stream_segments` rows, a group is ``m * L`` consecutive pairs of the
+    stream, so the later segments of a document find its earlier ones in the same batch
+    (the memory mask keeps each position to its own document). Groups are shuffled with
+    ``seed``; each row appears exactly once. When ``n_rows`` is a multiple of
+    ``batch_segments`` and ``batch_segments`` of ``m``, every batch holds exactly
+    ``batch_segments`` rows and every group is whole.
+    """
+    if m < 1 or batch_segments < m or batch_segments % m:
+        raise ValueError(
+            f"batch_segments ({batch_segments}) must be a positive multiple of m ({m})"
+        )
+    groups = [list(range(a, min(a + m, n_rows))) for a in range(0, n_rows, m)]
+    per_batch = batch_segments // m
+    order = np.random.default_rng(seed).permutation(len(groups))
+    return [
+        [r for g in order[k : k + per_batch] for r in groups[g]]
+        for k in range(0, len(order), per_batch)
+    ]

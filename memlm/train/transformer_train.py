@@ -37,7 +37,12 @@ from torch import nn
 
 from memlm.encoder import last_mlp
 from memlm.train.bm25_batching import bm25_neighbours, greedy_chain, random_batches
-from memlm.train.data import EncodedCorpus, document_segments
+from memlm.train.data import (
+    Segments,
+    consecutive_batches,
+    make_segments,
+    stream_segments,
+)
 from memlm.train.trime import MemoryKind, lm_token_loss, memory_mask, trime_token_loss
 
 log = logging.getLogger(__name__)
@@ -129,65 +134,9 @@ def forward_with_keys(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
 # --- segments and batches -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Segments:
-    """All training segments of a corpus, padded to ``seg_len``."""
-
-    x: np.ndarray  # (S, L) int64 inputs
-    y: np.ndarray  # (S, L) int64 targets
-    valid: np.ndarray  # (S, L) bool: a real target
-    doc: np.ndarray  # (S,) document index
-    order: np.ndarray  # (S,) segment index within its document
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-
-def make_segments(corpus: EncodedCorpus, seg_len: int) -> Segments:
-    """Cut every document into consecutive segments of ``seg_len`` (input, target) pairs."""
-    xs, ys, vs, docs, orders = [], [], [], [], []
-    pad = corpus.boundary_id
-    for i in range(len(corpus)):
-        for j, (sx, sy) in enumerate(document_segments(corpus.doc(i), seg_len)):
-            x = np.full(seg_len, pad, np.int64)
-            y = np.full(seg_len, pad, np.int64)
-            v = np.zeros(seg_len, bool)
-            x[: len(sx)], y[: len(sy)], v[: len(sx)] = sx, sy, True
-            xs.append(x)
-            ys.append(y)
-            vs.append(v)
-            docs.append(i)
-            orders.append(j)
-    return Segments(
-        x=np.stack(xs),
-        y=np.stack(ys),
-        valid=np.stack(vs),
-        doc=np.array(docs),
-        order=np.array(orders),
-    )
-
-
 def segment_texts(segs: Segments, decode: Callable[[Sequence[int]], str]) -> list[str]:
     """Decoded text of every segment (the BM25 corpus)."""
     return [decode([int(t) for t in segs.x[i][segs.valid[i]]]) for i in range(len(segs))]
-
-
-def _long_batches(segs: Segments, batch_segments: int, m: int, seed: int) -> list[list[int]]:
-    """Groups of m consecutive segments of one document, batch_segments // m groups a batch."""
-    starts: list[list[int]] = []
-    i = 0
-    while i < len(segs):
-        j = i
-        while j < len(segs) and segs.doc[j] == segs.doc[i] and j - i < m:
-            j += 1
-        starts.append(list(range(i, j)))
-        i = j
-    per_batch = max(1, batch_segments // m)
-    order = np.random.default_rng(seed).permutation(len(starts))
-    return [
-        [s for g in order[k : k + per_batch] for s in starts[g]]
-        for k in range(0, len(order), per_batch)
-    ]
 
 
 def batch_plan(
@@ -195,7 +144,11 @@ def batch_plan(
     cfg: TrainConfig,
     texts: Sequence[str] | None = None,
 ) -> list[list[int]]:
-    """Segment rows of every step, epoch after epoch, deterministic in ``cfg.seed``."""
+    """Segment rows of every step, epoch after epoch, deterministic in ``cfg.seed``.
+
+    Every epoch uses each row once. Over :func:`stream_segments` rows cut to a multiple
+    of ``cfg.batch_segments``, every batch of every objective holds exactly B full rows.
+    """
     plan: list[list[int]] = []
     neighbours: list[list[int]] | None = None
     if cfg.objective == "trime-ext" and cfg.bm25:
@@ -206,7 +159,7 @@ def batch_plan(
     while len(plan) < cfg.steps:
         seed = cfg.seed * 1000 + epoch
         if cfg.objective == "trime-long":
-            batches = _long_batches(segs, cfg.batch_segments, cfg.long_m, seed)
+            batches = consecutive_batches(len(segs), cfg.batch_segments, cfg.long_m, seed)
         elif neighbours is not None:
             order = greedy_chain(neighbours, seed)
             b = cfg.batch_segments
@@ -242,6 +195,7 @@ class TrainConfig:
     tau: float = 1.0  # training uses the plain scaled dot product
     seed: int = 0
     save_every: int = 100
+    keep_checkpoints: int = 2  # older step-N folders are deleted (each holds Adam's 2x state)
     threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -251,6 +205,11 @@ class TrainConfig:
             raise ValueError("steps, batch_segments, long_m must be >= 1 and seg_len >= 2")
         if not 0 <= self.p_drop_local <= 1 or not 0 <= self.vanilla_frac <= 1:
             raise ValueError("p_drop_local and vanilla_frac must lie in [0, 1]")
+        if self.objective == "trime-long" and self.batch_segments % self.long_m:
+            raise ValueError(
+                f"trime-long needs batch_segments ({self.batch_segments}) to be a multiple "
+                f"of long_m ({self.long_m}): a batch holds whole groups of m segments"
+            )
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -286,14 +245,31 @@ def batch_loss(
         assert kind is not None
         vis = memory_mask(
             torch.from_numpy(segs.doc[idx]),
-            torch.from_numpy(segs.order[idx]),
-            cfg.seg_len,
+            torch.from_numpy(segs.pos[idx]),
             kind,
             drop_local=kind == "ext" and drop_local_at(step, cfg),
         )
         per_tok = trime_token_loss(logits, y, keys.reshape(y.shape[0], -1), vis, valid, cfg.tau)
     n = int(valid.sum())
     return per_tok.sum() / max(n, 1), n
+
+
+# Fields that do not change the weights a run ends with: a run may resume with other values.
+OPERATIONAL_FIELDS = ("save_every", "keep_checkpoints", "threads")
+
+
+def _resume_key(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL_FIELDS}
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """An HF tokenizer (``save_pretrained``) or memlm's word vocabulary (``save``)."""
+    if tokenizer is None:
+        return
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    else:
+        tokenizer.save(folder / "word_tokenizer.json")
 
 
 def _save_checkpoint(
@@ -311,8 +287,7 @@ def _save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
         model.save_pretrained(tmp)  # type: ignore[operator]
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp)
         torch.save(
             {
                 "step": step,
@@ -336,11 +311,22 @@ def _save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The checkpoint folder with the highest step under ``out_dir/checkpoints``."""
+def _checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoint folders under ``out_dir/checkpoints``, by increasing step."""
     root = out_dir / "checkpoints"
     found = [p for p in root.glob("step-*") if (p / STATE_FILE).exists()] if root.exists() else []
-    return max(found, key=lambda p: int(p.name.split("-")[1])) if found else None
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _prune_checkpoints(out_dir: Path, keep: int) -> None:
+    for old in _checkpoints(out_dir)[: -max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint folder with the highest step under ``out_dir/checkpoints``."""
+    found = _checkpoints(out_dir)
+    return found[-1] if found else None
 
 
 @dataclass
@@ -369,7 +355,8 @@ def train(
 
     ``stop_after`` ends the loop early after that many steps and checkpoints there (a time
     limit, or an interruption in tests): a second call with ``resume`` finishes the run.
-    ``max_seconds`` does the same after that much wall time.
+    ``max_seconds`` does the same after that much wall time. ``resume=False`` starts over
+    and deletes the checkpoints already under ``out_dir``.
     """
     from tqdm import tqdm
 
@@ -388,13 +375,23 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start, history = 0, []
+    if not resume:  # start over: older checkpoints would otherwise outrank the new ones
+        for old in _checkpoints(out_dir):
+            log.warning("resume=False: deleting %s", old)
+            shutil.rmtree(old)
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         from safetensors.torch import load_file
 
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
-        if state["config"] != asdict(cfg):
-            raise ValueError(f"{ckpt} was written with another configuration")
+        saved = {k: v for k, v in state["config"].items() if k not in OPERATIONAL_FIELDS}
+        if saved != _resume_key(cfg):
+            diff = sorted(
+                k
+                for k in saved.keys() | _resume_key(cfg).keys()
+                if saved.get(k) != _resume_key(cfg).get(k)
+            )
+            raise ValueError(f"{ckpt} was written with another configuration ({', '.join(diff)})")
         weights = load_file(str(ckpt / "model.safetensors"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
@@ -436,6 +433,7 @@ def train(
                 cfg,
                 history,
             )
+            _prune_checkpoints(out_dir, cfg.keep_checkpoints)
         if done == end:
             break
     if end == cfg.steps:
@@ -452,12 +450,20 @@ def _save_final(
     cfg: TrainConfig,
     history: list[dict[str, float]],
 ) -> None:
+    """``out_dir/model``: HF folder + tokenizer + ``memlm_train.json``, renamed into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir / "model")  # type: ignore[operator]
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir / "model")
-    meta = {"train_config": asdict(cfg), "final_loss": history[-1]["loss"] if history else None}
-    (out_dir / "model" / "memlm_train.json").write_text(json.dumps(meta, indent=2))
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    try:
+        model.save_pretrained(tmp)  # type: ignore[operator]
+        _save_tokenizer(tokenizer, tmp)
+        meta = {"train_config": asdict(cfg), "final_loss": history[-1]["loss"] if history else None}
+        (tmp / "memlm_train.json").write_text(json.dumps(meta, indent=2))
+        final = out_dir / "model"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- evaluation of trained models -----------------------------------------------------------
@@ -490,11 +496,13 @@ def encode_segments(model: nn.Module, segs: Segments, batch: int = 16) -> Segmen
         gold.append(logits.gather(2, y.unsqueeze(-1)).squeeze(-1)[v])
         lse.append(torch.logsumexp(logits, dim=-1)[v])
         tgt.append(y[v])
-    L = segs.x.shape[1]
     valid = segs.valid
-    doc = np.repeat(segs.doc, L).reshape(valid.shape)[valid]
-    seg_start = np.repeat(segs.order * L, L).reshape(valid.shape)[valid]
-    pos = (segs.order[:, None] * L + np.arange(L)[None, :])[valid]
+    # a position's segment starts where its document's run in the row starts
+    t = np.arange(segs.seg_len)[None, :]
+    run_start = valid & ((t == 0) | (segs.doc != np.roll(segs.doc, 1, axis=1)))
+    first = np.maximum.accumulate(np.where(run_start, t, 0), axis=1)
+    seg_start = np.take_along_axis(segs.pos, first, axis=1)[valid]
+    doc, pos = segs.doc[valid], segs.pos[valid]
     return SegmentOutputs(
         keys=torch.cat(keys),
         targets=torch.cat(tgt),
@@ -628,18 +636,23 @@ def run(req: Any) -> dict[str, Any]:
     """Runner for ``memlm train --arch transformer`` (see :class:`memlm.train.TrainRequest`).
 
     ``--objective`` vanilla | trime | trime-long | trime-ext; ``--bptt`` is the segment
-    length L and ``--batch-size`` the segments per batch B. ``--set`` keys: ``init_from``
-    (HF id or folder, or ``smollm2-135m``: continue training it), ``data`` (a .txt or
-    .jsonl file, with ``init_from``), ``layers``, ``heads``, ``ffn``, ``long_m``,
+    length L and ``--batch-size`` the segments per batch B (every batch holds B full rows
+    of the document stream). ``--set`` keys: ``init_from`` (HF id or folder, or
+    ``smollm2-135m``: continue training it, with its own tokenizer), ``data`` (a .txt or
+    .jsonl file instead of ``--corpus``), ``layers``, ``heads``, ``ffn``, ``long_m``,
     ``p_drop_local``, ``bm25`` (false: random batching), ``vanilla_frac``, ``save_every``,
-    ``resume`` (default true), ``tau`` (evaluation).
+    ``keep_checkpoints``, ``resume`` (default true; false starts over), ``tau``
+    (evaluation).
     """
+    from memlm.corpus import load_corpus
     from memlm.train.data import encode_corpus, load_encoded_splits, split_documents
 
     ex = dict(req.extra)
     set_threads(req.threads)
     out = Path(req.out)
     init_from = _opt(ex, "init_from", None)
+    data = _opt(ex, "data", None)
+    docs = None if data is None else read_text_documents(Path(data))
     tokenizer: Any
     if init_from is not None:
         from memlm.encoder import Encoder
@@ -648,16 +661,13 @@ def run(req: Any) -> dict[str, Any]:
         model, hf_tok = enc.model, enc.tokenizer
         for p in model.parameters():
             p.requires_grad_(True)
-        data = _opt(ex, "data", None)
-        if data is None:
-            raise ValueError("--init-from needs --data FILE.txt|FILE.jsonl")
+        # the model's own tokenizer, over --data or else --corpus
         tokenizer = HFTokenizerAdapter(hf_tok, f"hf-{Path(str(init_from)).name}")
-        splits = split_documents(read_text_documents(Path(data)), seed=req.seed)
-        cache = req.cache_dir
+        splits = split_documents(load_corpus(req.corpus) if docs is None else docs, seed=req.seed)
         train_c, dev_c, test_c = (
-            encode_corpus(d, tokenizer, cache) for d in (splits.train, splits.dev, splits.test)
+            encode_corpus(d, tokenizer, req.cache_dir)
+            for d in (splits.train, splits.dev, splits.test)
         )
-        decode = tokenizer.decode
     else:
         enc_splits = load_encoded_splits(
             corpus=req.corpus,
@@ -665,10 +675,10 @@ def run(req: Any) -> dict[str, Any]:
             vocab_size=req.vocab_size,
             seed=req.seed,
             cache_dir=req.cache_dir,
+            docs=docs,
         )
         train_c, dev_c, test_c = enc_splits.train, enc_splits.dev, enc_splits.test
         tokenizer = enc_splits.tokenizer
-        decode = tokenizer.decode
         mcfg = ModelConfig(
             hidden=req.hidden or 128,
             layers=_opt(ex, "layers", 4),
@@ -684,6 +694,7 @@ def run(req: Any) -> dict[str, Any]:
             from memlm.encoder import bundled_tokenizer_path
 
             hf_tok = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+    decode = tokenizer.decode
     if req.max_train_tokens:
         train_c = train_c.truncate_tokens(req.max_train_tokens)
     if req.max_eval_tokens:
@@ -701,31 +712,34 @@ def run(req: Any) -> dict[str, Any]:
         bm25=_opt(ex, "bm25", True),
         seed=req.seed,
         save_every=_opt(ex, "save_every", 100),
+        keep_checkpoints=_opt(ex, "keep_checkpoints", 2),
         threads=req.threads,
     )
-    segs = make_segments(train_c, cfg.seg_len)
+    segs = stream_segments(train_c, cfg.seg_len, rows_multiple=cfg.batch_segments)
     texts = segment_texts(segs, decode) if cfg.objective == "trime-ext" and cfg.bm25 else None
     result = train(
         model,
         segs,
         cfg,
         out,
-        tokenizer=hf_tok,
+        tokenizer=hf_tok if hf_tok is not None else tokenizer,  # word vocabularies too
         texts=texts,
         resume=_opt(ex, "resume", True),
         max_seconds=None if req.max_minutes is None else 60 * req.max_minutes,
     )
-    if hf_tok is None and hasattr(tokenizer, "save"):
-        tokenizer.save(out / "model" / "word_tokenizer.json")
+    complete = result.steps_done == cfg.steps
+    last = latest_checkpoint(out)
     summary: dict[str, Any] = {
         "arch": "transformer",
         "objective": cfg.objective,
         "parameters": parameter_counts(model),
+        "complete": complete,  # False: stopped by --max-minutes; run again to resume
         "steps": result.steps_done,
+        "resumed_from": result.resumed_from,
         "train_seconds": round(result.seconds, 1),
         "train_tokens": result.tokens,
         "final_loss": result.history[-1]["loss"] if result.history else None,
-        "model_dir": str(out / "model"),
+        "model_dir": str(out / "model" if complete or last is None else last),
     }
     tau = _opt(ex, "tau", 1.0)
     kind = MEMORY_OF[cfg.objective]
