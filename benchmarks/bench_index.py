@@ -6,14 +6,14 @@ below 50k, IVF-PQ above), and queries (data points plus noise) are searched thro
 ``MemoryIndex`` batched (one call) and one at a time. Recall@k is against an exact flat
 search over the same keys.
 
-    heavy python benchmarks/bench_index.py                       # default, ~2-3 min
-    heavy python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
-    heavy python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
+    python benchmarks/bench_index.py                       # default, ~2-3 min
+    python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
+    python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
     python benchmarks/bench_index.py --append --workdir /work         # durable appends
-    heavy python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
+    python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
-Threads: ``--threads``, else MEMLM_THREADS (``heavy`` sets 1), else faiss's default.
+Threads: ``--threads``, else MEMLM_THREADS, else faiss's default.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ other news articles:
 
 Prints one table (p50 / p99 / mean in milliseconds) and the machine's load average.
 
-    heavy python benchmarks/bench_predict.py --memory-docs 20 --requests 200
+    python benchmarks/bench_predict.py --memory-docs 20 --requests 200
 """
 
 from __future__ import annotations

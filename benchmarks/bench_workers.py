@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,15 @@ def run_once(n_workers: int, args: argparse.Namespace, docs: list[Any]) -> dict[
             p.wait(60)
         db.dispose()
         drop()
+    from memlm.datastore import Datastore
+
+    with Datastore.open(data / "memory" / "datastore", readonly=True) as ds:
+        entries = len(ds)
+    shutil.rmtree(data, ignore_errors=True)
+    if entries != stored:
+        raise SystemExit(
+            f"{n_workers} worker(s): datastore holds {entries}, documents say {stored}"
+        )
     return {"seconds": seconds, "tokens": tokens, "stored": stored, "failed": failed}
 
 
@@ -162,7 +172,7 @@ def main() -> None:
     )
     print(f"load average before: {load_before}; after: {load_average()}; cores: {os.cpu_count()}")
     print()
-    print("| workers | seconds | tokens/s | vs 1 worker | entries stored | failed |")
+    print("| workers | seconds | tokens/s | vs 1 worker | entries stored (= datastore) | failed |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in counts:
         rates = [r["tokens"] / r["seconds"] for r in results[n]]

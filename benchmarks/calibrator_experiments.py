@@ -1,7 +1,7 @@
 """The NN calibrator on the news stream: constant vs calibrated lambda, feature ablation,
 the retrieval gate's trade-off, and out-of-domain text after the stream.
 
-    heavy python benchmarks/calibrator_experiments.py --start 2017-02-13 --days 5 \
+    python benchmarks/calibrator_experiments.py --start 2017-02-13 --days 5 \
         --max-docs-per-day 20 --out runs/calibrator
 
 Runs FullMem, MoNIM and RandMem (at MoNIM's MemRate) over the slice with

@@ -7,14 +7,14 @@ paper's three findings checked on these numbers, and writes the average attentio
 per window position as a PNG.  Each model's metrics and checkpoint go under ``--out``;
 a model whose metrics exist is not retrained (the run resumes).
 
-    heavy python benchmarks/short_attention.py --steps 500
+    python benchmarks/short_attention.py --steps 500
 
 With ``--knn-eval CHECKPOINT`` it instead runs the streaming evaluation (``memlm.evaluate``,
 FullMem vs MoNIM) with a trained model as the LM, over the documents of the dev and test
 splits only (the LM never trained on them; the harness splits them again by day into
 ingested / dev / test documents):
 
-    heavy python benchmarks/short_attention.py --knn-eval runs/short-attention/kvp-5/model.pt
+    python benchmarks/short_attention.py --knn-eval runs/short-attention/kvp-5/model.pt
 """
 
 from __future__ import annotations
