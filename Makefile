@@ -22,4 +22,4 @@ eval-slice:
 	$(PY) -m memlm.cli eval --start 2017-02-13 --days 5 --max-docs-per-day 20 --out runs/slice20
 
 bench:
-	$(PY) benchmarks/bench_encoder.py
+	$(PY) benchmarks/bench_encoder.py --threads 2 --docs 6 --memory-docs 20 --repeat 5
