@@ -622,6 +622,15 @@ class ServedCalibration:
         self._lexical_stat = _stat(self.lexical_path)
         return True
 
+    def forget(self, token_ids: Sequence[int], doc_id: int) -> bool:
+        """Take a forgotten document's tokens out of the statistics; False if not counted."""
+        self.refresh_lexical()
+        if not self.lexical.remove(np.asarray(token_ids, np.int64), doc_id):
+            return False
+        self.lexical.save(self.lexical_path)
+        self._lexical_stat = _stat(self.lexical_path)
+        return True
+
     def snapshot(self, index_root: Path, version: int) -> None:
         """Save the lexical statistics beside a new index build."""
         self.refresh_lexical()

@@ -756,15 +756,19 @@ class Engine:
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         return changed
 
-    def forget_document(self, doc_id: int) -> int:
+    def forget_document(self, doc_id: int, text: str | None = None) -> int:
         """Hide every entry of a document from search and from later builds.
 
-        Its held-out tokens leave the calibrator's pending records and training set too
-        (the lexical statistics keep its counts: they cannot be taken apart by document).
+        Its held-out tokens leave the calibrator's pending records and training set too.
+        With its ``text`` its tokens also leave the lexical statistics (once: a retry
+        after a crash takes nothing out twice); the snapshot beside the index version
+        served now keeps them until the next build.
         """
         self._check_writer()
         with self.exclusive(), self._write_lock:
             hidden = self.datastore.delete_document(doc_id)
+            if text is not None:
+                self.calibration.forget(self.encoder.tokenize(text), doc_id)
         self.heldout.drop_document(doc_id)
         with self.building():  # the training set has the builder's lock
             self.calibration.drop_document(doc_id)

@@ -211,6 +211,14 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
         docs, per_day = engine.calibration.training_index()  # type: ignore[attr-defined]
         assert docs == {1, 2, 3, 5, 7}
         assert sum(per_day.values()) == tokens_a + tokens_b - scored[5]
+        # ... and its tokens out of the lexical statistics
+        kept = LexicalStats(tiny.vocab_size)
+        for t in TEXTS[:5] + TEXTS[6:]:
+            kept.update(np.asarray(tiny.tokenize(t)))
+        lexical = engine.calibration.lexical  # type: ignore[attr-defined]
+        assert np.array_equal(lexical.count, kept.count)
+        assert np.array_equal(lexical.successors, kept.successors)
+        assert lexical.docs == {1, 2, 3, 4, 5, 7, 8} and lexical.forgotten == {6}
 
         # --- a new day: rebuild 4 trains further from version 3's model (warm start) ------
         late = "Ferry tickets in Port Elsinore sold out within an hour of the new timetable."

@@ -5,6 +5,7 @@ from memlm.datastore import SimulatedCrash
 from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine, EngineInputError
 from memlm.knnlm import KnnParams, MemoryOptions
+from memlm.lexical import LexicalStats
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 3
 
@@ -76,9 +77,20 @@ def test_rebuild_and_forget(engine):
     info = engine.rebuild()
     assert info.version == 1 and engine.stats()["index_version"] == 1
     total = engine.stats()["entries"]
-    removed = engine.forget_document(1)
+    removed = engine.forget_document(1, TEXT)
     assert removed == len(engine.encoder.tokenize(TEXT)) - 1
     assert engine.stats()["entries"] == total - removed
+    # its tokens left the lexical statistics too, on disk, and a retry takes nothing twice
+    only_2 = LexicalStats(engine.encoder.vocab_size)
+    only_2.update(
+        np.array(engine.encoder.tokenize("A completely different story about mountains."))
+    )
+    assert engine.forget_document(1, TEXT) == 0
+    on_disk = LexicalStats.load(engine.calibration.lexical_path, engine.encoder.vocab_size)
+    for lex in (engine.calibration.lexical, on_disk):
+        assert np.array_equal(lex.count, only_2.count)
+        assert np.array_equal(lex.successors, only_2.successors)
+        assert lex.docs == {2} and lex.forgotten == {1}
     p = engine.predict("The harbour authority in Port", neighbours=5)
     assert all(nb.doc_id == 2 for nb in p.neighbours)
 

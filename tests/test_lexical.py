@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from memlm.lexical import LexicalStats
 
@@ -27,3 +28,32 @@ def test_a_document_is_counted_once_across_saves(tmp_path):
     assert t.count[1] == 1 and t.count[2] == 1 and t.successors[1] == 1
     assert t.update(np.array([1, 3]), doc_id=6) is True
     assert t.count[1] == 2 and t.successors[1] == 2 and t.docs == {5, 6}
+
+
+def test_remove_takes_a_document_out_exactly_once(tmp_path):
+    s = LexicalStats(10)
+    s.update(np.array([1, 2, 1, 2]), doc_id=1)  # 1->2 twice, 2->1
+    s.update(np.array([1, 2, 1, 3]), doc_id=2)  # 1->2, 2->1, 1->3
+    assert s.successors[1] == 2 and s.count[1] == 4
+    assert s.remove(np.array([1, 2, 1, 3]), doc_id=2) is True
+    only_1 = LexicalStats(10)
+    only_1.update(np.array([1, 2, 1, 2]))
+    assert np.array_equal(s.count, only_1.count)
+    assert np.array_equal(s.successors, only_1.successors)  # 1->3 gone, 1->2 stays (count 2)
+    s.save(tmp_path / "lex.npz")
+    t = LexicalStats.load(tmp_path / "lex.npz", 10)
+    # a retry after a crash takes nothing out twice; a forgotten id is never counted again
+    assert t.remove(np.array([1, 2, 1, 3]), doc_id=2) is False
+    assert t.update(np.array([1, 2, 1, 3]), doc_id=2) is False
+    assert t.counted(2) and t.docs == {1} and t.forgotten == {2}
+    assert np.array_equal(t.count, only_1.count)
+    assert t.remove(np.array([1, 2, 1, 2]), doc_id=1) is True
+    assert not t.count.any() and not t.successors.any() and not t._pairs
+
+
+def test_remove_refuses_tokens_that_were_not_counted():
+    s = LexicalStats(10)
+    s.update(np.array([1, 2]), doc_id=1)
+    with pytest.raises(ValueError, match="not counted"):
+        s.remove(np.array([4, 5, 4]), doc_id=1)
+    assert s.count[1] == 1 and s.docs == {1}

@@ -201,8 +201,10 @@ class IngestWorker:
             if doc is None:
                 return None
             doc_id, day, policy, stored = doc.id, doc.published_at, doc.policy, doc.tokens_stored
-        # Idempotent: a retry after a crash here hides nothing new and counts once below.
-        hidden = self.engine.forget_document(doc_id)
+            text = doc.text
+        # Idempotent: a retry after a crash here hides nothing new, takes nothing out of the
+        # lexical statistics twice, and counts once below.
+        hidden = self.engine.forget_document(doc_id, text)
         if hidden not in (0, stored or 0):
             log.warning("document %d: %d entries hidden, %s recorded", doc_id, hidden, stored)
         with self.sessions.begin() as s:
