@@ -727,12 +727,17 @@ class ServedCalibration:
         os.replace(tmp, self.train_path)
         self._index = None
 
-    def add_heldout(self, split: dict[str, np.ndarray], version: int) -> int:
+    def add_heldout(
+        self, split: dict[str, np.ndarray], version: int, *, max_tokens: int | None = None
+    ) -> int:
         """Merge held-out tokens into the training set for ``version``; returns rows added.
 
         ``doc`` >= 0 names a stream document: rows of a document already in the set are
         dropped, so merging the same record twice (a crash before its file was deleted)
         adds it once.  Negative ``doc`` values are texts given to ``Engine.train_calibrator``.
+        With ``max_tokens`` the set keeps its newest that many rows (by stream day, then
+        merge order): the oldest days leave first, so the set and each retrain stay bounded
+        however long the stream runs.
         """
         from memlm.heldout import stack
 
@@ -746,7 +751,11 @@ class ServedCalibration:
             return 0
         new["merged_for"] = np.full(len(new["day"]), version, np.int32)
         old = self.training_rows()
-        self._write_training_set(stack([old, new]) if old else new)
+        rows = stack([old, new]) if old else new
+        if max_tokens is not None and len(rows["day"]) > max_tokens:
+            newest = np.sort(np.argsort(rows["day"], kind="stable")[-max_tokens:])
+            rows = {k: v[newest] for k, v in rows.items()}
+        self._write_training_set(rows)
         return len(new["day"])
 
     def drop_document(self, doc_id: int) -> int:

@@ -699,7 +699,9 @@ class Engine:
             return {"trained": False, "reason": "calibrator training is off"}
         try:
             pending = self.heldout.pending()
-            merged = self.calibration.add_heldout(self.heldout.load(pending.paths), version)
+            merged = self.calibration.add_heldout(
+                self.heldout.load(pending.paths), version, max_tokens=cfg.max_tokens
+            )
             # Deleted only once the merge is durable; a crash in between merges them again,
             # and add_heldout drops the rows of documents it already holds.
             self.heldout.remove(pending.paths)

@@ -52,6 +52,8 @@ class HeldOutConfig:
     share: float = 0.05  # seeded share of documents (the paper holds out ~10 articles a day)
     day_tokens: int = 2048  # per day: ~1 MB of records at k = 64 (560 bytes per token)
     min_tokens: int = 8192  # below this the rebuild skips training (4 days at the cap)
+    # the training set keeps the newest this many tokens (64 days at the cap, ~70 MB)
+    max_tokens: int = 131_072
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +61,10 @@ class HeldOutConfig:
             raise ValueError("the calibrator sample share must be in [0, 1]")
         if self.day_tokens < 1 or self.min_tokens < 1:
             raise ValueError("day_tokens and min_tokens must be >= 1")
+        if self.max_tokens < self.min_tokens:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be at least min_tokens ({self.min_tokens})"
+            )
 
 
 def sampled(cfg: HeldOutConfig, doc_id: int) -> bool:

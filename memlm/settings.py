@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     # at the daily cap): a calibrator trained on the first few articles learns only that
     # a memory of a few articles does not help, and then ignores close neighbours too.
     calibrator_min_tokens: int = Field(default=8192, ge=1)
+    # The training set keeps the newest this many tokens (oldest days leave first), so it
+    # and each retrain stay bounded on a long stream (64 days at the daily cap).
+    calibrator_max_tokens: int = Field(default=131_072, ge=1)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
 
@@ -110,6 +113,15 @@ class Settings(BaseSettings):
         if v is not None and not v.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql+psycopg:// URL")
         return v
+
+    @model_validator(mode="after")
+    def _calibrator_bounds(self) -> Settings:
+        if self.calibrator_max_tokens < self.calibrator_min_tokens:
+            raise ValueError(
+                f"MEMLM_CALIBRATOR_MAX_TOKENS ({self.calibrator_max_tokens}) must be at least "
+                f"MEMLM_CALIBRATOR_MIN_TOKENS ({self.calibrator_min_tokens})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_default_secret_outside_development(self) -> Settings:

@@ -97,6 +97,20 @@ def test_training_set_merges_each_document_once(tmp_path: Path) -> None:
     assert served.training_index() == ({1, 3}, {7: 3, 8: 8})
 
 
+def test_training_set_keeps_the_newest_tokens(tmp_path: Path) -> None:
+    served = ServedCalibration(tmp_path, vocab_size=16)
+    # a late document of an older day (5) arrives after day 8's: it is among the oldest
+    assert served.add_heldout(stack([arrays(1, 7, 3), arrays(2, 8, 4)]), 1, max_tokens=8) == 7
+    assert served.add_heldout(stack([arrays(3, 5, 2), arrays(4, 9, 3)]), 2, max_tokens=8) == 5
+    rows = served.training_rows()
+    # 12 rows, 8 kept: day 5 (2 rows) and two of day 7's 3 leave; merge order is kept
+    assert rows["doc"].tolist() == [1, 2, 2, 2, 2, 4, 4, 4]
+    assert rows["day"].tolist() == [7, 8, 8, 8, 8, 9, 9, 9]
+    assert served.training_index() == ({1, 2, 4}, {7: 1, 8: 4, 9: 3})
+    with pytest.raises(ValueError, match="max_tokens"):
+        HeldOutConfig(min_tokens=100, max_tokens=50)
+
+
 def test_retrain_with_a_day_whose_tokens_have_no_neighbour(tmp_path: Path) -> None:
     from memlm.knnlm import KnnParams
 

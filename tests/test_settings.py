@@ -55,6 +55,7 @@ def test_default_secret_refused_outside_development() -> None:
         ("database_url", "mysql://x", "sqlite:// or postgresql"),
         ("queue_size", 0, "greater than or equal to 1"),
         ("knn_lambda", 1.5, "less than or equal to 1"),
+        ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
     ],
 )
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:

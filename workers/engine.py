@@ -83,6 +83,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
             share=settings.calibrator_sample,
             day_tokens=settings.calibrator_day_tokens,
             min_tokens=settings.calibrator_min_tokens,
+            max_tokens=settings.calibrator_max_tokens,
         ),
         **extra,
     )
