@@ -304,3 +304,39 @@ def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:
     assert tok.words[:2] == ["<eos>", "<unk>"] and sorted(tok.words[2:]) == sorted(words)
     assert (tmp_path / "run" / "checkpoints" / "step-3" / "word_tokenizer.json").exists()
     assert np.isfinite(summary["test_ppl_memory"])
+
+
+def test_cli_defaults_depend_on_the_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memlm train --arch transformer` gets the Transformer's settings, not the LSTM's."""
+    import sys
+    import types
+
+    import typer
+    from typer.testing import CliRunner
+
+    from memlm.cli import train_cmd
+
+    seen: list[object] = []
+    fake = types.ModuleType("fake_runner")
+    fake.run = lambda req: seen.append(req) or {"ok": True}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_runner", fake)
+    monkeypatch.setattr(
+        train_cmd, "RUNNERS", {"transformer": "fake_runner:run", "lstm": "fake_runner:run"}
+    )
+    app = typer.Typer()
+    train_cmd.register(app)
+    app.command("noop")(lambda: None)
+    for args in (
+        ["--arch", "transformer", "--init-from", "smollm2-135m"],
+        ["--arch", "transformer"],
+        ["--arch", "lstm"],
+        ["--arch", "transformer", "--bptt", "64", "--tokenizer", "word"],
+    ):
+        result = CliRunner().invoke(app, ["train", *args])
+        assert result.exit_code == 0, result.output
+    tuned, t, r, given = seen
+    pick = ("batch_size", "bptt", "lr", "clip", "tokenizer")
+    assert tuned.lr == 5e-5 and tuned.extra["init_from"] == "smollm2-135m"
+    assert [getattr(t, k) for k in pick] == [8, 128, 2e-3, 1.0, "subword"]
+    assert [getattr(r, k) for k in pick] == [64, 20, 1e-3, 5.0, "word"]
+    assert [getattr(given, k) for k in pick] == [8, 64, 2e-3, 1.0, "word"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -39,7 +40,9 @@ def train(
     out: Path = typer.Option(Path("runs/train"), "--out", help="folder for checkpoint + metrics"),
     objective: str = typer.Option("vanilla", help="training objective (architecture-specific)"),
     corpus: str = typer.Option("news", help="'news' or a JSONL path"),
-    tokenizer: str = typer.Option("word", help="'word' (numbers -> N, UNK) or 'subword'"),
+    tokenizer: str | None = typer.Option(
+        None, help="'word' (numbers -> N, UNK) or 'subword'; default word, transformer subword"
+    ),
     vocab_size: int = typer.Option(10_000, help="word vocabulary size incl. <eos>, <unk>"),
     seed: int = typer.Option(0),
     hidden: int | None = typer.Option(None, help="hidden size; default from the budget"),
@@ -48,10 +51,18 @@ def train(
     ngram: int = typer.Option(4, help="N of the N-gram RNN (2..5)"),
     steps: int = typer.Option(1000, help="optimizer steps"),
     max_minutes: float | None = typer.Option(None, help="stop training after this wall time"),
-    batch_size: int = typer.Option(64),
-    bptt: int = typer.Option(20, help="truncated BPTT length / segment length"),
-    lr: float = typer.Option(1e-3),
-    clip: float = typer.Option(5.0, help="gradient-norm clipping"),
+    batch_size: int | None = typer.Option(
+        None, help="sequences (segments) per step; default 64, transformer 8"
+    ),
+    bptt: int | None = typer.Option(
+        None, help="truncated BPTT length / segment length; default 20, transformer 128"
+    ),
+    lr: float | None = typer.Option(
+        None, help="learning rate; default 1e-3, transformer 2e-3 (5e-5 with --init-from)"
+    ),
+    clip: float | None = typer.Option(
+        None, help="gradient-norm clipping; default 5, transformer 1"
+    ),
     max_train_tokens: int | None = typer.Option(None, help="train on the leading slice"),
     max_eval_tokens: int | None = typer.Option(None, help="evaluate on the leading slice"),
     threads: int | None = typer.Option(None, help="torch threads (default $MEMLM_THREADS)"),
@@ -61,16 +72,20 @@ def train(
     data: Path | None = typer.Option(None, help="transformer: FILE.txt|FILE.jsonl (--init-from)"),
 ) -> None:
     """Train a language model and print its dev/test perplexity as JSON."""
-    from memlm.train import TrainRequest
+    from memlm.train import TrainRequest, train_defaults
 
     if arch not in RUNNERS:
         raise typer.BadParameter(f"unknown arch {arch!r}; choose from {', '.join(RUNNERS)}")
+    given = {"batch_size": batch_size, "bptt": bptt, "lr": lr, "clip": clip}
+    chosen: dict[str, Any] = train_defaults(arch, continuing=init_from is not None) | {
+        k: v for k, v in (given | {"tokenizer": tokenizer}).items() if v is not None
+    }
     req = TrainRequest(
         arch=arch,
         out=out,
         objective=objective,
         corpus=corpus,
-        tokenizer=tokenizer,
+        tokenizer=chosen["tokenizer"],
         vocab_size=vocab_size,
         seed=seed,
         hidden=hidden,
@@ -79,10 +94,10 @@ def train(
         ngram=ngram,
         steps=steps,
         max_minutes=max_minutes,
-        batch_size=batch_size,
-        bptt=bptt,
-        lr=lr,
-        clip=clip,
+        batch_size=chosen["batch_size"],
+        bptt=chosen["bptt"],
+        lr=chosen["lr"],
+        clip=chosen["clip"],
         max_train_tokens=max_train_tokens,
         max_eval_tokens=max_eval_tokens,
         threads=threads,

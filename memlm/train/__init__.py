@@ -37,3 +37,31 @@ class TrainRequest:
     threads: int | None = None
     cache_dir: Path | None = None
     extra: dict[str, str] = field(default_factory=dict)
+
+
+# Options whose good value depends on the architecture; ``memlm train`` fills what the
+# command line leaves out from here.  The recurrent models of the short-attention study
+# use the paper's settings (§4.1); the Transformer those of the TRIME experiment
+# (docs/trime.md: 8 segments of 128 subword tokens a step, lr 2e-3, clip 1).
+TRAIN_DEFAULTS: dict[str, dict[str, object]] = {
+    "recurrent": {"batch_size": 64, "bptt": 20, "lr": 1e-3, "clip": 5.0, "tokenizer": "word"},
+    "transformer": {
+        "batch_size": 8,
+        "bptt": 128,
+        "lr": 2e-3,
+        "clip": 1.0,
+        "tokenizer": "subword",
+    },
+}
+
+
+def train_defaults(arch: str, *, continuing: bool = False) -> dict[str, object]:
+    """The defaults of ``memlm train --arch ARCH`` for the architecture-dependent options.
+
+    ``continuing``: a pretrained model is trained further (``--init-from``), so the rate is
+    a fine-tuning one (5e-5), not the from-scratch 2e-3 that would wreck its weights.
+    """
+    out = dict(TRAIN_DEFAULTS["transformer" if arch == "transformer" else "recurrent"])
+    if continuing:
+        out["lr"] = 5e-5
+    return out
