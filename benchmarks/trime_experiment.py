@@ -86,6 +86,7 @@ class Setup:
     layers: int = 8  # the paper's 7M ablation model: 8 layers, hidden 128, 4 heads, FFN 512
     heads: int = 4
     seed: int = 0
+    vanilla_frac: float = 0.05  # §5.2: the first 5% of the updates use the plain LM loss
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -116,6 +117,7 @@ def train_run(name: str, out: Path, s: Setup) -> dict[str, Any]:
         lr=s.lr,
         seed=s.seed,
         save_every=100,
+        vanilla_frac=s.vanilla_frac,
         **RUNS[name],
     )
     model = build_model(
@@ -482,6 +484,12 @@ def main() -> None:
     ap.add_argument("--batch-segments", type=int, default=Setup.batch_segments)
     ap.add_argument("--seg-len", type=int, default=Setup.seg_len)
     ap.add_argument("--lr", type=float, default=Setup.lr)
+    ap.add_argument(
+        "--vanilla-frac",
+        type=float,
+        default=Setup.vanilla_frac,
+        help="share of the first updates trained with the plain LM loss (TRIME runs)",
+    )
     ap.add_argument("--days", type=int, default=5, help="news phase: days of the stream")
     ap.add_argument("--start", default="2017-02-13", help="news phase: first day")
     ap.add_argument("--max-docs-per-day", type=int, default=20, help="news phase")
@@ -499,6 +507,7 @@ def main() -> None:
         batch_segments=args.batch_segments,
         seg_len=args.seg_len,
         lr=args.lr,
+        vanilla_frac=args.vanilla_frac,
     )
     runs = args.run or list(RUNS)
     if args.phase == "news":

@@ -615,17 +615,16 @@ class ServedCalibration:
 
     def observe(self, token_ids: Sequence[int], doc_id: int | None = None) -> bool:
         """Count one ingested document's tokens once and persist; False if counted before."""
-        self.refresh_lexical()
-        if not self.lexical.update(np.asarray(token_ids, np.int64), doc_id):
-            return False
-        self.lexical.save(self.lexical_path)
-        self._lexical_stat = _stat(self.lexical_path)
-        return True
+        return self._change_lexical("update", token_ids, doc_id)
 
     def forget(self, token_ids: Sequence[int], doc_id: int) -> bool:
         """Take a forgotten document's tokens out of the statistics; False if not counted."""
+        return self._change_lexical("remove", token_ids, doc_id)
+
+    def _change_lexical(self, how: str, token_ids: Sequence[int], doc_id: int | None) -> bool:
+        """``LexicalStats.update`` or ``.remove`` on the newest file's state, then save it."""
         self.refresh_lexical()
-        if not self.lexical.remove(np.asarray(token_ids, np.int64), doc_id):
+        if not getattr(self.lexical, how)(np.asarray(token_ids, np.int64), doc_id):
             return False
         self.lexical.save(self.lexical_path)
         self._lexical_stat = _stat(self.lexical_path)
