@@ -31,16 +31,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+
+if TYPE_CHECKING:
+    from memlm.lexical import LexicalStats
 
 TOP_N = 10  # neighbours described by the density features (App. A.3: i = 1..10)
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -615,16 +618,18 @@ class ServedCalibration:
 
     def observe(self, token_ids: Sequence[int], doc_id: int | None = None) -> bool:
         """Count one ingested document's tokens once and persist; False if counted before."""
-        return self._change_lexical("update", token_ids, doc_id)
+        ids = np.asarray(token_ids, np.int64)
+        return self._change_lexical(lambda lex: lex.update(ids, doc_id))
 
     def forget(self, token_ids: Sequence[int], doc_id: int) -> bool:
         """Take a forgotten document's tokens out of the statistics; False if not counted."""
-        return self._change_lexical("remove", token_ids, doc_id)
+        ids = np.asarray(token_ids, np.int64)
+        return self._change_lexical(lambda lex: lex.remove(ids, doc_id))
 
-    def _change_lexical(self, how: str, token_ids: Sequence[int], doc_id: int | None) -> bool:
-        """``LexicalStats.update`` or ``.remove`` on the newest file's state, then save it."""
+    def _change_lexical(self, change: Callable[[LexicalStats], bool]) -> bool:
+        """Apply ``change`` to the newest saved statistics; save them if it changed them."""
         self.refresh_lexical()
-        if not getattr(self.lexical, how)(np.asarray(token_ids, np.int64), doc_id):
+        if not change(self.lexical):
             return False
         self.lexical.save(self.lexical_path)
         self._lexical_stat = _stat(self.lexical_path)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlm.locks import locked
+from memlm.locks import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _convert_bundled(kind: str) -> Path:
     target = cache_dir() / ("models" if kind == "model" else "tokenizers") / BUNDLED_MODEL
     if (target / "config.json").exists() or (kind == "tokenizer" and target.exists()):
         return target
-    with locked(target.parent / f".{BUNDLED_MODEL}.lock"):
+    with FileLock(target.parent / f".{BUNDLED_MODEL}.lock"):
         if target.exists():
             return target
         folder = _bundled_folder()

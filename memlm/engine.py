@@ -767,10 +767,11 @@ class Engine:
         served now keeps them until the next build.
         """
         self._check_writer()
+        ids = None if text is None else self.encoder.tokenize(text)
         with self.exclusive(), self._write_lock:
             hidden = self.datastore.delete_document(doc_id)
-            if text is not None:
-                self.calibration.forget(self.encoder.tokenize(text), doc_id)
+            if ids is not None:
+                self.calibration.forget(ids, doc_id)
         self.heldout.drop_document(doc_id)
         with self.building():  # the training set has the builder's lock
             self.calibration.drop_document(doc_id)

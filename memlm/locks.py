@@ -3,11 +3,9 @@ when their holder dies, so holding one also says "I am alive" (see ``held_elsewh
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -72,14 +70,3 @@ def held_elsewhere(path: Path) -> bool:
         return True
     lock.release()
     return False
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold the lock on ``path`` for the block, waiting for it as long as it takes."""
-    lock = FileLock(path)
-    lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()

@@ -140,19 +140,12 @@ class IngestWorker:
         ):
             builds = BuildRepository(s).release_orphans()
         with self.engine.exclusive():
-            with self.sessions() as s:
-                end = DocumentRepository(s).committed_end()
-            before = datastore_length(self.engine)
-            if before < end:
-                raise DatastoreAhead(
-                    f"datastore has {before} entries but committed documents own {end}: "
-                    "the data directory does not match the database"
-                )
-            if before > end:
-                log.warning(
-                    "cutting %d uncommitted datastore entries (%d -> %d)", before - end, before, end
-                )
-                self.engine.truncate_datastore(end)
+            before, end = self._cut_uncommitted()
+        if before < end:
+            raise DatastoreAhead(
+                f"datastore has {before} entries but committed documents own {end}: "
+                "the data directory does not match the database"
+            )
         return Recovery(released, builds, before, end)
 
     def release_dead_claims(self, *, including_self: bool = False) -> int:
@@ -274,13 +267,20 @@ class IngestWorker:
             DocumentRepository(s).mark_failed(doc_id, failure_reason(exc))
         return Processed(doc_id, "failed")
 
-    def _cut_uncommitted(self) -> None:
-        """Cut entries no committed document owns (call inside ``engine.exclusive()``)."""
+    def _cut_uncommitted(self) -> tuple[int, int]:
+        """Cut entries no committed document owns (call inside ``engine.exclusive()``).
+
+        Returns the datastore's length before the cut and the committed end.
+        """
         with self.sessions() as s:
             end = DocumentRepository(s).committed_end()
-        if datastore_length(self.engine) > end:
-            log.warning("cutting datastore entries beyond the committed %d", end)
+        before = datastore_length(self.engine)
+        if before > end:
+            log.warning(
+                "cutting %d uncommitted datastore entries (%d -> %d)", before - end, before, end
+            )
             self.engine.truncate_datastore(end)
+        return before, end
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
         """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle."""

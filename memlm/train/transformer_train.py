@@ -258,8 +258,9 @@ def batch_loss(
 OPERATIONAL_FIELDS = ("save_every", "keep_checkpoints", "threads")
 
 
-def _resume_key(cfg: TrainConfig) -> dict[str, Any]:
-    return {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL_FIELDS}
+def _resume_key(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's configuration (``asdict(TrainConfig)``) without the operational fields."""
+    return {k: v for k, v in config.items() if k not in OPERATIONAL_FIELDS}
 
 
 def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
@@ -384,13 +385,9 @@ def train(
         from safetensors.torch import load_file
 
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
-        saved = {k: v for k, v in state["config"].items() if k not in OPERATIONAL_FIELDS}
-        if saved != _resume_key(cfg):
-            diff = sorted(
-                k
-                for k in saved.keys() | _resume_key(cfg).keys()
-                if saved.get(k) != _resume_key(cfg).get(k)
-            )
+        saved, wanted = _resume_key(state["config"]), _resume_key(asdict(cfg))
+        if saved != wanted:
+            diff = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
             raise ValueError(f"{ckpt} was written with another configuration ({', '.join(diff)})")
         weights = load_file(str(ckpt / "model.safetensors"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
