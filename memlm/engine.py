@@ -130,6 +130,15 @@ class ScoreResult:
     trime_ppl: float | None = None
 
 
+@dataclass(frozen=True)
+class ContextFit:
+    """The end of a context that ``predict`` reads (``Engine.fit_context``)."""
+
+    text: str  # the context from the first token read on (all of it when it fits)
+    tokens: int  # tokens of ``text``
+    total: int  # tokens of the whole context
+
+
 class Engine:
     """Encoder + datastore + memory index of one data directory."""
 
@@ -377,6 +386,27 @@ class Engine:
             },
         )
 
+    def predict_span(self, long_segments: int = 0) -> int:
+        """Tokens at the end of a context that ``predict`` reads.
+
+        Its window, less room for the word search's extra positions if the model is
+        short, plus ``long_segments`` windows of TRIME long-term memory before it.
+        """
+        span = min(self.window.context, self.encoder.max_positions - self.words.max_tokens)
+        return span + long_segments * self.window.context
+
+    def fit_context(self, context: str, *, long_segments: int = 0) -> ContextFit:
+        """``context`` cut at a token boundary to what ``predict`` reads (for the API)."""
+        spans = self.encoder.char_offsets(context)
+        keep = self.predict_span(long_segments)
+        if len(spans) <= keep:
+            return ContextFit(context, len(spans), len(spans))
+        return ContextFit(context[spans[-keep][0] :], keep, len(spans))
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` (what a request costs the model thread)."""
+        return len(self.encoder.tokenize(text))
+
     def predict(
         self,
         context: str,
@@ -411,8 +441,7 @@ class Engine:
         if any(not ids for ids in id_lists):
             raise EngineInputError("the context is empty after tokenisation")
         trime = memory if memory is not None and memory.active else None
-        # the window, less room for the word search's extra positions if the model is short
-        span = min(self.window.context, self.encoder.max_positions - self.words.max_tokens)
+        span = self.predict_span()
         windows = [ids[-span:] for ids in id_lists]
         keys_all, hidden_all, decoding = self.encoder.start(windows, cache=words > 0)
         rows, last = torch.arange(len(windows)), torch.tensor([len(w) - 1 for w in windows])

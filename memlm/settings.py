@@ -87,10 +87,17 @@ class Settings(BaseSettings):
     max_documents_per_request: int = Field(default=256, ge=1)
     max_text_chars: int = Field(default=200_000, ge=1)
     max_context_chars: int = Field(default=20_000, ge=1)
-    # Requests waiting for the model; beyond this the API answers 429.
+    # Tokens of /score's text; longer texts get 413 (the model thread scores about 150
+    # tokens/s of SmolLM2 on one CPU thread, so 2048 tokens hold it some 15 s).
+    max_score_tokens: int = Field(default=2048, ge=2)
+    # Admission by expected wait: a request is queued only when the work ahead of it plus
+    # its own (tokens x the measured seconds per token) fits this budget; else 429.
+    queue_budget_s: float = Field(default=2.0, gt=0)
+    # Hard cap on requests waiting for the model, whatever the estimate says.
     queue_size: int = Field(default=64, ge=1)
     # Concurrent /predict requests answered by one pass of the executor.
     max_batch: int = Field(default=8, ge=1)
+    # The least Retry-After of a 429; the header is the queue's expected drain time.
     retry_after_seconds: int = Field(default=1, ge=1)
 
     @field_validator("policy")

@@ -122,7 +122,8 @@ def create_app(
         executor = ModelExecutor(
             queue_size=settings.queue_size,
             max_batch=settings.max_batch,
-            retry_after=settings.retry_after_seconds,
+            budget_s=settings.queue_budget_s,
+            min_retry_after=settings.retry_after_seconds,
         )
         metrics: Metrics = app.state.metrics
         metrics.track_queue(executor.depth)

@@ -1,8 +1,15 @@
-"""The model executor: one thread runs every LM forward and search, fed by a bounded queue.
+"""The model executor: one thread runs every LM forward and search, fed by a queue.
 
-The event loop only enqueues and awaits. A full queue raises :class:`Overloaded` (429
-with Retry-After) instead of piling requests up. Jobs that share a ``batch`` key and
-wait together are handed to their batch function in one call (micro-batching).
+The event loop only enqueues and awaits. Admission is by expected wait, not by queue
+length: every request carries a cost (the tokens the model will read), the thread times
+what it runs per unit of cost, and a request is queued only when the work ahead of it
+plus its own fits ``budget_s``. Otherwise :class:`Overloaded` (429) with a Retry-After
+of the queue's expected drain time. Jobs that share a ``batch`` key and wait together
+are handed to their batch function in one call (micro-batching).
+
+Thread safety by design: the queue's bookkeeping (costs waiting, the batch running, the
+service-time estimates) is touched only under ``self._lock``, by the event loop when it
+admits and by the model thread when it takes and finishes jobs.
 """
 
 from __future__ import annotations
@@ -10,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,6 +33,40 @@ T = TypeVar("T")
 
 BatchFn = Callable[[Sequence[Any]], Sequence[Any]]
 
+# Weight of the newest timing: the estimate follows a change of load (another process
+# taking the cores) within about five batches, and one slow outlier moves it by 20%.
+ALPHA = 0.2
+
+
+class ServiceTimes:
+    """Seconds per unit of cost of each kind of job, exponentially weighted.
+
+    A ratio of weighted sums (seconds / cost), so a large job counts for its size.
+    Not locked itself: the executor calls it under its lock.
+    """
+
+    def __init__(self, alpha: float = ALPHA) -> None:
+        assert 0 < alpha <= 1
+        self.alpha = alpha
+        self._seconds: dict[str, float] = {}
+        self._cost: dict[str, float] = {}
+
+    def observe(self, kind: str, cost: int, seconds: float) -> None:
+        if cost <= 0:
+            return
+        a = self.alpha
+        if kind not in self._cost:
+            self._seconds[kind], self._cost[kind] = seconds, float(cost)
+        else:
+            self._seconds[kind] = (1 - a) * self._seconds[kind] + a * seconds
+            self._cost[kind] = (1 - a) * self._cost[kind] + a * cost
+
+    def per_cost(self, kind: str) -> float | None:
+        """Seconds per unit of cost, None before the first timing of this kind."""
+        if kind not in self._cost:
+            return None
+        return self._seconds[kind] / self._cost[kind]
+
 
 @dataclass
 class _Job:
@@ -33,6 +76,11 @@ class _Job:
     future: asyncio.Future[Any]
     batch: tuple[Any, ...] | None = None  # (batch function, key...) of batchable jobs
     item: Any = None
+    kind: str = "internal"
+    cost: int = 0  # 0: an internal job, never refused and never timed
+    # Set by the event loop when the awaiting request was cancelled (the client left);
+    # the model thread then skips the job. A plain flag: a late read only runs it anyway.
+    abandoned: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -46,51 +94,177 @@ def _resolve(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
 
 
 class ModelExecutor:
-    """A single worker thread behind a bounded queue."""
+    """A single worker thread behind a queue admitted by expected wait.
 
-    def __init__(self, *, queue_size: int, max_batch: int, retry_after: int) -> None:
-        self._q: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+    ``budget_s``: the longest expected wait (work ahead + the request's own) admitted;
+    ``queue_size``: a hard cap on jobs waiting whatever the estimate says;
+    ``min_retry_after``: the least Retry-After; ``clock``: injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue_size: int,
+        max_batch: int,
+        budget_s: float,
+        min_retry_after: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        alpha: float = ALPHA,
+    ) -> None:
+        assert budget_s > 0 and queue_size >= 1 and max_batch >= 1 and min_retry_after >= 1
+        self._q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.queue_size = queue_size
         self.max_batch = max_batch
-        self.retry_after = retry_after
+        self.budget_s = budget_s
+        self.min_retry_after = min_retry_after
+        self.clock = clock
+        self.times = ServiceTimes(alpha)
+        self._lock = threading.Lock()
+        # --- guarded by _lock ---
+        self._waiting = 0  # jobs in the queue
+        self._queued_cost: dict[str, int] = {}  # cost waiting, per kind
+        self._unmeasured: set[str] = set()  # kinds with an untimed job queued or running
+        self._busy = False
+        self._running_s = 0.0  # expected seconds of the jobs on the thread
+        self._started = 0.0
+        # ---
         self._closing = False
+        self.batches: list[int] = []  # sizes of the last batches run (for tests and logs)
         self._thread = threading.Thread(target=self._loop, name="memlm-model", daemon=True)
         self._thread.start()
-        self.batches: list[int] = []  # sizes of the last batches run (for tests and logs)
 
     def depth(self) -> int:
-        return self._q.qsize()
+        return self._waiting
 
-    def _put(self, job: _Job, wait: bool) -> None:
+    def observe(self, kind: str, cost: int, seconds: float) -> None:
+        """Record that a job of ``kind`` and ``cost`` took ``seconds`` (the thread's timing)."""
+        with self._lock:
+            self.times.observe(kind, cost, seconds)
+
+    def per_cost(self, kind: str) -> float | None:
+        """The current estimate of seconds per unit of cost of ``kind``."""
+        with self._lock:
+            return self.times.per_cost(kind)
+
+    # --- admission (event loop) ----------------------------------------------------------
+
+    def _ahead(self, now: float) -> float:
+        """Expected seconds until the thread has finished the work queued now (lock held).
+
+        An untimed kind (at most one such job each) counts as 0 until it is timed.
+        """
+        left = max(0.0, self._running_s - (now - self._started)) if self._busy else 0.0
+        for kind, cost in self._queued_cost.items():
+            per = self.times.per_cost(kind)
+            if cost and per is not None:
+                left += cost * per
+        return left
+
+    def _refusal(self, kind: str, cost: int, now: float) -> Overloaded | None:
+        """Why a request of ``cost`` is not queued now, or None (lock held)."""
+        if not self._busy and self._waiting == 0:
+            return None  # idle: any request, however large (the token limits bound it)
+        ahead = self._ahead(now)
+        retry = max(self.min_retry_after, math.ceil(ahead))
+        if self._waiting >= self.queue_size:
+            return Overloaded(
+                f"the model queue is full ({self.queue_size} requests); retry in {retry} s",
+                retry_after=retry,
+            )
+        per = self.times.per_cost(kind)
+        if per is None:
+            if kind in self._unmeasured:
+                return Overloaded(
+                    "the server is timing its first requests; retry shortly",
+                    retry_after=retry,
+                )
+            own = 0.0
+        else:
+            own = cost * per
+        if ahead + own > self.budget_s:
+            return Overloaded(
+                f"the server is busy: this request would wait about {ahead + own:.1f} s, "
+                f"over the {self.budget_s:g} s budget; retry in {retry} s",
+                retry_after=retry,
+            )
+        return None
+
+    def retry_after(self) -> int:
+        """Whole seconds until the work queued now is expected to be done (at least the minimum)."""
+        with self._lock:
+            return max(self.min_retry_after, math.ceil(self._ahead(self.clock())))
+
+    def check(self, kind: str, cost: int = 0) -> None:
+        """Raise :class:`Overloaded` if a request of ``cost`` would be refused now.
+
+        Lets a route refuse before it spends time on a request (tokenising it).
+        """
+        with self._lock:
+            refusal = self._refusal(kind, cost, self.clock())
+        if refusal is not None:
+            raise refusal
+
+    def _put(self, job: _Job, admit: bool) -> None:
+        with self._lock:
+            if admit:
+                refusal = self._refusal(job.kind, job.cost, self.clock())
+                if refusal is not None:
+                    raise refusal
+                if self.times.per_cost(job.kind) is None:
+                    self._unmeasured.add(job.kind)
+            self._waiting += 1
+            self._queued_cost[job.kind] = self._queued_cost.get(job.kind, 0) + job.cost
+            self._q.put(job)
+
+    async def _await(self, job: _Job) -> Any:
         try:
-            self._q.put(job, block=wait, timeout=None)
-        except queue.Full:
-            raise Overloaded(
-                "the server is busy; retry shortly", retry_after=self.retry_after
-            ) from None
+            return await job.future
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
 
-    async def call(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
-        """Run ``fn(*args)`` on the model thread; ``wait`` blocks for room (internal jobs)."""
+    async def call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        kind: str = "call",
+        cost: int = 1,
+        wait: bool = False,
+    ) -> T:
+        """Run ``fn(*args)`` on the model thread, admitted by its ``cost``.
+
+        ``wait=True``: an internal job (index sync), queued whatever the load, not timed.
+        """
+        assert cost >= 1
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop, loop.create_future())
-        if wait:
-            await asyncio.to_thread(self._put, job, True)
-        else:
-            self._put(job, False)
-        result: T = await job.future
+        if not wait:
+            job.kind, job.cost = kind, cost
+        self._put(job, admit=not wait)
+        result: T = await self._await(job)
         return result
 
-    async def batched(self, batch_fn: BatchFn, key: tuple[Any, ...], item: Any) -> Any:
+    async def batched(
+        self,
+        batch_fn: BatchFn,
+        key: tuple[Any, ...],
+        item: Any,
+        *,
+        kind: str = "batch",
+        cost: int = 1,
+    ) -> Any:
         """Run ``item`` through ``batch_fn`` with other waiting items of the same ``key``."""
+        assert cost >= 1
         loop = asyncio.get_running_loop()
         job = _Job(None, (), loop, loop.create_future(), batch=(batch_fn, *key), item=item)
-        self._put(job, False)
-        return await job.future
+        job.kind, job.cost = kind, cost
+        self._put(job, admit=True)
+        return await self._await(job)
 
     def close(self) -> None:
         """Stop after the running job; jobs still queued are dropped (shutdown)."""
         self._closing = True
-        with contextlib.suppress(queue.Full):
-            self._q.put_nowait(None)
+        self._q.put(None)
         self._thread.join(timeout=30)
 
     # --- the thread ------------------------------------------------------------------------
@@ -115,17 +289,41 @@ class ModelExecutor:
                         self._q.put(None)
                         break
                     jobs.append(nxt)
-            self._run(jobs)
+            self._take(jobs)
+            try:
+                self._run([j for j in jobs if not j.abandoned])
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._unmeasured.difference_update(j.kind for j in jobs)
+
+    def _take(self, jobs: list[_Job]) -> None:
+        """Move ``jobs`` from the queue's books to the running batch's."""
+        with self._lock:
+            expected = 0.0
+            for j in jobs:
+                self._waiting -= 1
+                self._queued_cost[j.kind] -= j.cost
+                per = self.times.per_cost(j.kind)
+                if not j.abandoned and per is not None:
+                    expected += j.cost * per
+            self._busy, self._running_s, self._started = True, expected, self.clock()
+
+    def _timed(self, kind: str, cost: int, t0: float) -> None:
+        self.observe(kind, cost, self.clock() - t0)
 
     def _run(self, jobs: list[_Job]) -> None:
         groups: dict[tuple[Any, ...], list[_Job]] = {}
         for job in jobs:
             if job.batch is None:
+                t0 = self.clock()
                 self._run_one(job)
+                self._timed(job.kind, job.cost, t0)
             else:
                 groups.setdefault(job.batch, []).append(job)
         for key, group in groups.items():
             self.batches = [*self.batches[-99:], len(group)]
+            t0 = self.clock()
             try:
                 results = key[0]([j.item for j in group])
                 assert len(results) == len(group), "batch function returned a wrong count"
@@ -133,6 +331,8 @@ class ModelExecutor:
                 for j in group:
                     j.loop.call_soon_threadsafe(_resolve, j.future, False, exc)
                 continue
+            finally:
+                self._timed(group[0].kind, sum(j.cost for j in group), t0)
             for j, r in zip(group, results, strict=True):
                 j.loop.call_soon_threadsafe(_resolve, j.future, True, r)
 

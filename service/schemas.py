@@ -181,6 +181,15 @@ class PredictResponse(BaseModel):
     neighbours: list[NeighbourOut]
     memory: MemoryOut | None = None
     index_version: str | None = Field(None, description="the built index version searched")
+    context_tokens: int = Field(
+        description="tokens of the context the model read (its last window, plus "
+        "long_memory windows before it)"
+    )
+    input_tokens: int = Field(description="tokens of the context as sent")
+    truncated: bool = Field(
+        description="true when the context was longer than what the model reads: its "
+        "earlier tokens were dropped"
+    )
 
 
 class MemoryOut(BaseModel):

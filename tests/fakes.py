@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from memlm.engine import EngineInputError
+from memlm.engine import ContextFit, EngineInputError
 from memlm.locks import LockBusy
 
 VOCAB = ("the", "a", "of", "and", "to", "in")
@@ -138,6 +139,7 @@ class FakeEngine:
     served_version: int = 0
     processed: list[int] = field(default_factory=list)
     fail_on: str | None = None  # a word that makes process_document raise ValueError
+    span: int = 512  # words at the end of a context that predict reads (fit_context)
     # the datastore's write lock and the build lock, for workers sharing this fake
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _build: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -200,6 +202,16 @@ class FakeEngine:
             yield
         finally:
             self._build.release()
+
+    def fit_context(self, context: str, *, long_segments: int = 0) -> ContextFit:
+        starts = [m.start() for m in re.finditer(r"\S+", context)]
+        keep = self.span * (1 + long_segments)
+        if len(starts) <= keep:
+            return ContextFit(context, len(starts), len(starts))
+        return ContextFit(context[starts[-keep] :], keep, len(starts))
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
 
     def predict(
         self,

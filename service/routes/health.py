@@ -15,7 +15,9 @@ router = APIRouter(tags=["health"])
 @router.get(
     "/healthz", response_model=Health, response_model_exclude_none=True, summary="The process is up"
 )
-def healthz() -> Health:
+async def healthz() -> Health:
+    # async: answered on the event loop itself, never behind the model queue or the
+    # thread pool that busy requests fill
     return Health(status="ok")
 
 

@@ -31,6 +31,19 @@ from service.state import AppState
 
 router = APIRouter(tags=["inference"])
 
+# The executor's kinds of job: each has its own seconds-per-token estimate.
+PREDICT, SCORE = "predict", "score"
+
+# What a request costs the model thread beyond its tokens (the memory search, the head,
+# the top-N), in tokens: without it a flood of one-token contexts would be admitted as
+# if nearly free.
+BASE_COST = 16
+
+
+def request_cost(tokens: int) -> int:
+    """The executor's cost of a request whose model reads ``tokens`` tokens."""
+    return BASE_COST + tokens
+
 
 @dataclass(frozen=True)
 class PredictOptions:
@@ -107,10 +120,18 @@ def _check_size(state: AppState, text: str, name: str) -> None:
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
     """Top-N next tokens under the LM, the memory and their interpolation."""
     _check_size(state, body.context, "context")
+    executor = state.executor
+    executor.check(PREDICT)  # refuse an overloaded queue before tokenising
+    # Off the event loop: tokenising 20,000 characters takes 15-60 ms.
+    fit = await run_in_threadpool(
+        partial(engine.fit_context, body.context, long_segments=body.long_memory)
+    )
     memory = memory_options(body, state.settings)
     opts = PredictOptions(body.top_n, body.neighbours, body.words, memory)
     fn = state.cached["predict_many"]
-    pred = await state.executor.batched(fn, (fn, opts), (body.context, opts))
+    pred = await executor.batched(
+        fn, (fn, opts), (fit.text, opts), kind=PREDICT, cost=request_cost(fit.tokens)
+    )
     docs = {}
     if pred.neighbours:
 
@@ -145,6 +166,9 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
         neighbours=neighbours_out(pred.neighbours, docs, state.cached.get("char_span")),
         memory=memory_out(memory),
         index_version=_version(pred, state),
+        context_tokens=fit.tokens,
+        input_tokens=fit.total,
+        truncated=fit.tokens < fit.total,
     )
 
 
@@ -156,6 +180,14 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
 )
 async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreResponse:
     _check_size(state, body.text, "text")
+    executor = state.executor
+    executor.check(SCORE)  # refuse an overloaded queue before tokenising
+    tokens = await run_in_threadpool(engine.count_tokens, body.text)
+    limit = state.settings.max_score_tokens
+    if tokens > limit:
+        raise PayloadTooLarge(
+            f"text has {tokens} tokens; at most {limit} (MEMLM_MAX_SCORE_TOKENS)"
+        )
 
     def active_policy() -> tuple[str, Any]:
         with state.sessions.begin() as s:
@@ -170,7 +202,9 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
     kwargs: dict[str, Any] = {"policy": policy}
     if memory is not None:
         kwargs["memory"] = memory
-    res = await state.executor.call(partial(engine.score, body.text, **kwargs))
+    res = await executor.call(
+        partial(engine.score, body.text, **kwargs), kind=SCORE, cost=request_cost(tokens)
+    )
     trime = getattr(res, "trime_logprobs", None)
     return ScoreResponse(
         tokens=list(res.tokens),
