@@ -356,6 +356,40 @@ def test_predict_words_and_local_memory(env: Env) -> None:
     assert r["memory"] == {"local_memory": True, "long_memory": 2, "tau": 0.5}
 
 
+def test_predict_reads_the_last_window_and_says_it_truncated(env: Env) -> None:
+    env.engine.span = 4
+    c = env.client
+    context = "the dog saw a cat and a bird saw the"
+    body = {"context": context, "local_memory": True}
+    r = c.post("/predict", json=body).json()
+    assert (r["context_tokens"], r["input_tokens"], r["truncated"]) == (4, 10, True)
+    # the model read "a bird saw the": its local memory holds no "the -> dog"
+    tail = c.post("/predict", json={**body, "context": "a bird saw the"}).json()
+    assert r["suggestions"] == tail["suggestions"]
+    assert (tail["context_tokens"], tail["input_tokens"], tail["truncated"]) == (4, 4, False)
+    # untruncated, the earlier "the dog" would have ranked "dog" first
+    env.engine.span = 512
+    full = c.post("/predict", json=body).json()
+    assert full["suggestions"][0]["token"] == "dog" != r["suggestions"][0]["token"]
+    assert (full["context_tokens"], full["truncated"]) == (10, False)
+    # long_memory reads that many windows more
+    env.engine.span = 4
+    r = c.post("/predict", json={**body, "long_memory": 1}).json()
+    assert (r["context_tokens"], r["input_tokens"], r["truncated"]) == (8, 10, True)
+
+
+def test_score_refuses_more_tokens_than_the_limit(tmp_path: Path, sqlite_url: str) -> None:
+    for e in _env(tmp_path, sqlite_url, max_score_tokens=5):
+        c = e.client
+        r = c.post("/score", json={"text": "the a the a of and"})
+        assert r.status_code == 413
+        assert r.json() == {
+            "error": "payload_too_large",
+            "detail": "text has 6 tokens; at most 5 (MEMLM_MAX_SCORE_TOKENS)",
+        }
+        assert c.post("/score", json={"text": "the a the a of"}).status_code == 200
+
+
 def test_score_with_local_memory(env: Env) -> None:
     r = env.client.post("/score", json={"text": "the a the a", "local_memory": True}).json()
     lm = math.log(1 / len(VOCAB))
@@ -539,6 +573,8 @@ def test_the_fake_engine_keeps_the_real_engines_shape() -> None:
         "forget_document",
         "truncate_datastore",
         "stats",
+        "fit_context",
+        "count_tokens",
     ):
         real_params = inspect.signature(getattr(real.Engine, name)).parameters
         fake_params = inspect.signature(getattr(fake.FakeEngine, name)).parameters

@@ -1,76 +1,198 @@
-"""The model executor: bounded queue (429 + Retry-After), micro-batching, no blocking."""
+"""The model executor: admission by expected wait (429 + Retry-After), micro-batching.
+
+The admission tests run on an injected clock and seeded service times: every number is
+exact, nothing depends on how fast this machine is.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.errors import Overloaded
-from service.executor import ModelExecutor
+from service.executor import ModelExecutor, ServiceTimes
+from service.routes.inference import BASE_COST
 from tests.fakes import FakeEngine, Prediction
 from tests.service_helpers import make_settings
 
 
-def test_waiting_items_of_one_key_run_as_one_batch() -> None:
-    ex = ModelExecutor(queue_size=16, max_batch=8, retry_after=1)
-    gate, started = threading.Event(), threading.Event()
-    calls: list[list[int]] = []
+class Clock:
+    """A clock that moves only when told."""
 
-    def block() -> None:
-        started.set()
-        gate.wait(10)
+    def __init__(self) -> None:
+        self.t = 0.0
 
-    def batch(items: Sequence[int]) -> list[int]:
-        calls.append(list(items))
-        return [i * 10 for i in items]
+    def __call__(self) -> float:
+        return self.t
 
-    async def main() -> list[Any]:
-        blocker = asyncio.ensure_future(ex.call(block))
-        while not started.is_set():  # the thread took the blocker and waits on the gate
-            await asyncio.sleep(0.01)
-        jobs = [asyncio.ensure_future(ex.batched(batch, (batch, "k"), i)) for i in range(5)]
-        other = asyncio.ensure_future(ex.batched(batch, (batch, "other"), 7))
-        await asyncio.sleep(0.05)
-        gate.set()
-        await blocker
-        return [*await asyncio.gather(*jobs), await other]
+
+class Blocker:
+    """A job that holds the model thread until released."""
+
+    def __init__(self) -> None:
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        self.started.set()
+        assert self.gate.wait(10)
+        return "done"
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def _refused(ex: ModelExecutor, fn: Callable[..., Any], **kw: Any) -> Overloaded:
+    async def main() -> None:
+        await ex.call(fn, **kw)
+
+    with pytest.raises(Overloaded) as info:
+        asyncio.run(main())
+    return info.value
+
+
+# --- the service-time estimate ---------------------------------------------------------------
+
+
+def test_service_times_are_a_ratio_of_weighted_sums_per_kind() -> None:
+    t = ServiceTimes(alpha=0.25)
+    assert t.per_cost("predict") is None
+    t.observe("predict", 100, 2.0)
+    assert t.per_cost("predict") == 2.0 / 100
+    t.observe("predict", 300, 6.0)  # seconds 0.75*2 + 0.25*6 = 3; cost 75 + 75 = 150
+    assert t.per_cost("predict") == 3.0 / 150.0
+    t.observe("predict", 0, 100.0)  # internal jobs (cost 0) are not timed
+    assert t.per_cost("predict") == 3.0 / 150.0
+    assert t.per_cost("score") is None  # each kind has its own
+
+
+# --- admission -------------------------------------------------------------------------------
+
+
+def test_admission_by_expected_wait_and_retry_after_from_the_drain_time() -> None:
+    clock = Clock()
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, clock=clock)
+    ex.observe("p", 128, 1.0)  # 1/128 s per unit of cost (exact in binary)
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=64))  # 0.5 s expected
+        await _until(block.started.is_set)
+        a = asyncio.ensure_future(ex.call(len, "a" * 5, kind="p", cost=128))  # 0.5 + 1.0
+        b = asyncio.ensure_future(ex.call(len, "b" * 7, kind="p", cost=64))  # 1.5 + 0.5 = 2.0
+        await _until(lambda: ex.depth() == 2)
+        assert ex.retry_after() == 2  # ceil(2.0)
+        with pytest.raises(Overloaded) as info:  # 2.0 + 1/128 > 2.0
+            await ex.call(len, "c", kind="p", cost=1)
+        assert info.value.retry_after == 2
+        assert str(info.value) == (
+            "the server is busy: this request would wait about 2.0 s, over the 2 s budget; "
+            "retry in 2 s"
+        )
+        clock.t = 0.25  # the running job is half done: 1.75 s ahead
+        c = asyncio.ensure_future(ex.call(len, "c" * 3, kind="p", cost=32))  # 1.75 + 0.25
+        await _until(lambda: ex.depth() == 3)
+        with pytest.raises(Overloaded):
+            ex.check("p", 1)
+        ex.check("p", 0)  # exactly the budget still fits
+        clock.t = 1.25  # the running job overran its estimate: it counts as 0
+        assert ex.retry_after() == 2  # ceil(1.0 + 0.5 + 0.25)
+        clock.t = 1.5
+        block.gate.set()
+        assert await running == "done"
+        assert [await a, await b, await c] == [5, 7, 3]
 
     try:
-        assert asyncio.run(main()) == [0, 10, 20, 30, 40, 70]
+        asyncio.run(main())
     finally:
         ex.close()
-    assert calls == [[0, 1, 2, 3, 4], [7]]
-    assert ex.batches[-2:] == [5, 1]
+
+
+def test_an_idle_executor_takes_a_request_over_the_budget_alone() -> None:
+    clock = Clock()
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, clock=clock)
+    ex.observe("p", 1, 1.0)  # 1 s per unit
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=10))  # 10 s, idle: taken
+        await _until(block.started.is_set)
+        with pytest.raises(Overloaded) as info:
+            await ex.call(len, "x", kind="p", cost=1)
+        assert info.value.retry_after == 10
+        clock.t = 9.0
+        with pytest.raises(Overloaded) as info:  # 1 s left + 2 s of its own
+            await ex.call(len, "x", kind="p", cost=2)
+        assert info.value.retry_after == 1
+        fits = asyncio.ensure_future(ex.call(len, "x", kind="p", cost=1))  # 1 s + 1 s
+        await _until(lambda: ex.depth() == 1)
+        block.gate.set()
+        assert (await running, await fits) == ("done", 1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+
+
+def test_a_kind_never_timed_is_admitted_one_job_at_a_time() -> None:
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, min_retry_after=3)
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=100))  # idle: taken
+        await _until(block.started.is_set)
+        assert ex.per_cost("p") is None
+        with pytest.raises(Overloaded) as info:
+            await ex.call(len, "x", kind="p", cost=1)
+        assert info.value.retry_after == 3
+        assert str(info.value) == "the server is timing its first requests; retry shortly"
+        other = asyncio.ensure_future(ex.call(len, "xy", kind="s", cost=50))  # first of its kind
+        await _until(lambda: ex.depth() == 1)
+        with pytest.raises(Overloaded):
+            await ex.call(len, "x", kind="s", cost=1)
+        block.gate.set()
+        assert (await running, await other) == ("done", 2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+    assert ex.per_cost("p") is not None and ex.per_cost("s") is not None  # both timed now
 
 
 def test_full_queue_raises_overloaded_and_errors_reach_the_caller() -> None:
-    ex = ModelExecutor(queue_size=2, max_batch=4, retry_after=3)
-    gate, started = threading.Event(), threading.Event()
-
-    def block() -> None:
-        started.set()
-        gate.wait(10)
+    ex = ModelExecutor(queue_size=2, max_batch=4, budget_s=1000.0, min_retry_after=3)
+    ex.observe("call", 1, 0.0)
+    block = Blocker()
 
     def fail() -> None:
         raise ValueError("bad input")
 
     async def main() -> None:
         running = asyncio.ensure_future(ex.call(block))
-        while not started.is_set():
-            await asyncio.sleep(0.01)
+        await _until(block.started.is_set)
         queued = [asyncio.ensure_future(ex.call(fail)), asyncio.ensure_future(ex.call(len, "ab"))]
-        await asyncio.sleep(0.01)
+        await _until(lambda: ex.depth() == 2)
         with pytest.raises(Overloaded) as info:
             await ex.call(len, "abc")
         assert info.value.retry_after == 3
-        gate.set()
+        assert str(info.value) == "the model queue is full (2 requests); retry in 3 s"
+        block.gate.set()
         await running
         with pytest.raises(ValueError, match="bad input"):
             await queued[0]
@@ -82,44 +204,212 @@ def test_full_queue_raises_overloaded_and_errors_reach_the_caller() -> None:
         ex.close()
 
 
+def test_internal_jobs_are_never_refused_and_abandoned_jobs_are_skipped() -> None:
+    ex = ModelExecutor(queue_size=1, max_batch=1, budget_s=1.0)
+    ex.observe("call", 1, 10.0)  # every request is over the budget behind anything
+    block = Blocker()
+    ran: list[str] = []
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block))
+        await _until(block.started.is_set)
+        sync = asyncio.ensure_future(ex.call(ran.append, "sync", wait=True))
+        again = asyncio.ensure_future(ex.call(ran.append, "stats", wait=True))
+        await _until(lambda: ex.depth() == 2)
+        with pytest.raises(Overloaded):
+            await ex.call(ran.append, "request")
+        again.cancel()  # its caller went away: the thread skips it
+        await asyncio.sleep(0.05)
+        block.gate.set()
+        await running
+        await sync
+        await _until(lambda: ex.depth() == 0)
+        assert await ex.call(ran.append, "after") is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+    assert ran == ["sync", "after"]
+
+
+# --- micro-batching ---------------------------------------------------------------------------
+
+
+def test_waiting_items_of_one_key_run_as_one_batch() -> None:
+    clock = Clock()
+    ex = ModelExecutor(queue_size=16, max_batch=8, budget_s=2.0, clock=clock)
+    ex.observe("call", 1, 0.5)
+    ex.observe("batch", 8, 1.0)  # 1/8 s per item
+    block = Blocker()
+    calls: list[list[int]] = []
+
+    def batch(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        clock.t += 0.25 * len(items)  # the batch takes 1/4 s per item
+        return [i * 10 for i in items]
+
+    async def main() -> list[Any]:
+        blocker = asyncio.ensure_future(ex.call(block))
+        await _until(block.started.is_set)
+        jobs = [asyncio.ensure_future(ex.batched(batch, (batch, "k"), i)) for i in range(5)]
+        other = asyncio.ensure_future(ex.batched(batch, (batch, "other"), 7))
+        await _until(lambda: ex.depth() == 6)
+        block.gate.set()
+        await blocker
+        return [*await asyncio.gather(*jobs), await other]
+
+    try:
+        assert asyncio.run(main()) == [0, 10, 20, 30, 40, 70]
+    finally:
+        ex.close()
+    assert calls == [[0, 1, 2, 3, 4], [7]]
+    assert ex.batches[-2:] == [5, 1]
+    # each batch is timed for its total cost: 1.25 s for 5, then 0.25 s for 1
+    s, c = 0.8 * 1.0 + 0.2 * 1.25, 0.8 * 8 + 0.2 * 5
+    assert ex.per_cost("batch") == pytest.approx((0.8 * s + 0.2 * 0.25) / (0.8 * c + 0.2))
+
+
+# --- over HTTP --------------------------------------------------------------------------------
+
+
 class SlowEngine(FakeEngine):
-    """predict waits for a gate so the test controls when the model thread is busy."""
+    """predict and count_tokens wait for gates so the test controls who is busy."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self.count_gate = threading.Event()
+        self.count_gate.set()
 
     def predict(self, context: str, *, top_n: int = 10, neighbours: int = 0) -> Prediction:
         self.entered.set()
-        self.gate.wait(10)
+        assert self.gate.wait(10)
         return super().predict(context, top_n=top_n, neighbours=neighbours)
 
+    def count_tokens(self, text: str) -> int:
+        assert self.count_gate.wait(10)
+        return super().count_tokens(text)
 
-def test_http_429_with_retry_after_when_the_queue_is_full(tmp_path: Path, sqlite_url: str) -> None:
-    settings = make_settings(tmp_path, sqlite_url, queue_size=1, max_batch=1, retry_after_seconds=2)
+
+def _words(n: int) -> str:
+    return " ".join(["the"] * n)
+
+
+def test_http_429_body_and_retry_after_from_the_queue(tmp_path: Path, sqlite_url: str) -> None:
+    settings = make_settings(tmp_path, sqlite_url, max_batch=1, queue_budget_s=2.0)
     engine = SlowEngine()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    clock = Clock()
     with TestClient(app) as client:
+        ex: ModelExecutor = app.state.memlm.executor
+        ex.clock = clock
+        ex.observe("predict", 128, 1.0)
+        context = _words(64 - BASE_COST)  # cost 64: 0.5 s
         results: list[int] = []
 
         def call() -> None:
-            results.append(client.post("/predict", json={"context": "a"}).status_code)
+            results.append(client.post("/predict", json={"context": context}).status_code)
 
-        first = threading.Thread(target=call)
-        first.start()
+        threads = [threading.Thread(target=call)]
+        threads[0].start()
         assert engine.entered.wait(10)  # the model thread is busy with the first request
-        second = threading.Thread(target=call)
-        second.start()
-        ex = app.state.memlm.executor
-        while ex.depth() < 1:  # the second request waits in the queue
-            threading.Event().wait(0.01)
-        r = client.post("/predict", json={"context": "a"})
+        for n in range(3):  # 0.5 s ahead each: 1.0, 1.5 and 2.0 s with their own
+            threads.append(threading.Thread(target=call))
+            threads[-1].start()
+            for _ in range(1000):
+                if ex.depth() == n + 1:
+                    break
+                threading.Event().wait(0.01)
+        assert ex.depth() == 3
+        r = client.post("/predict", json={"context": context})
         assert r.status_code == 429
         assert r.headers["Retry-After"] == "2"
-        assert r.json() == {"error": "overloaded", "detail": "the server is busy; retry shortly"}
+        assert r.json() == {
+            "error": "overloaded",
+            "detail": "the server is busy: this request would wait about 2.5 s, "
+            "over the 2 s budget; retry in 2 s",
+        }
+        clock.t = 0.75  # the first request overran its estimate: 1.5 s ahead
+        r = client.post("/predict", json={"context": _words(65 - BASE_COST)})
+        assert r.status_code == 429  # 1.5 + 65 / 128 s
+        assert r.headers["Retry-After"] == "2"
         assert client.get("/healthz").status_code == 200  # the event loop is free
+        engine.gate.set()
+        for t in threads:
+            t.join(10)
+        assert results == [200, 200, 200, 200]
+
+
+def test_score_cost_counts_its_tokens(tmp_path: Path, sqlite_url: str) -> None:
+    settings = make_settings(tmp_path, sqlite_url, max_batch=1, queue_budget_s=2.0)
+    engine = SlowEngine()
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with TestClient(app) as client:
+        ex: ModelExecutor = app.state.memlm.executor
+        ex.clock = Clock()
+        ex.observe("predict", 128, 1.0)
+        ex.observe("score", 128, 1.0)
+        done: list[int] = []
+
+        def post(path: str, body: dict[str, str]) -> None:
+            done.append(client.post(path, json=body).status_code)
+
+        first = threading.Thread(target=post, args=("/predict", {"context": _words(48)}))
+        first.start()
+        assert engine.entered.wait(10)  # 64 / 128 = 0.5 s ahead
+        r = client.post("/score", json={"text": _words(193 - BASE_COST)})
+        assert r.status_code == 429  # 0.5 s + 193 / 128 s
+        assert r.json()["detail"] == (
+            "the server is busy: this request would wait about 2.0 s, over the 2 s budget; "
+            "retry in 1 s"
+        )
+        second = threading.Thread(target=post, args=("/score", {"text": _words(192 - BASE_COST)}))
+        second.start()  # 0.5 + 1.5 s: fits
+        for _ in range(1000):
+            if ex.depth() == 1:
+                break
+            threading.Event().wait(0.01)
+        assert ex.depth() == 1
         engine.gate.set()
         first.join(10)
         second.join(10)
-        assert sorted(results) == [200, 200]
+        assert done == [200, 200]
+
+
+def test_healthz_answers_while_the_thread_pool_and_the_model_are_busy(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    settings = make_settings(tmp_path, sqlite_url)
+    engine = SlowEngine()
+    engine.count_gate.clear()  # /score requests hold their thread-pool thread here
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with TestClient(app) as client:
+        assert client.portal is not None
+
+        def small_pool() -> None:
+            anyio.to_thread.current_default_thread_limiter().total_tokens = 2
+
+        client.portal.call(small_pool)
+        busy = [
+            threading.Thread(target=client.post, args=("/score",), kwargs={"json": {"text": "a b"}})
+            for _ in range(2)
+        ]
+        for t in busy:
+            t.start()
+        limiter: Any = client.portal.call(anyio.to_thread.current_default_thread_limiter)
+        for _ in range(1000):
+            if limiter.borrowed_tokens == 2:
+                break
+            threading.Event().wait(0.01)
+        assert limiter.borrowed_tokens == 2  # no thread left for a sync route
+        got: list[int] = []
+        probe = threading.Thread(target=lambda: got.append(client.get("/healthz").status_code))
+        probe.start()
+        probe.join(5)
+        answered = list(got)  # while the pool is still full: a sync route has none
+        engine.count_gate.set()
+        for t in [*busy, probe]:
+            t.join(10)
+        assert answered == [200]

@@ -195,3 +195,21 @@ def test_long_term_memory_reaches_before_the_window(tmp_path, encoder):
     np.testing.assert_allclose(keys_l[:8].numpy(), before.keys[-8:], rtol=1e-5)
     keys_s, values_s = eng._context_memory(ids, keys[0, :7], ids[-8:], MemoryOptions(local=True))
     assert values_s.tolist() == ids[-7:] and keys_s.shape == (7, eng.encoder.dim)
+
+
+def test_fit_context_keeps_exactly_what_predict_reads(tmp_path, encoder):
+    engine = Engine.open(tmp_path / "data", encoder=encoder, window=WindowConfig(16, 8))
+    ids = encoder.tokenize(TEXT)
+    assert engine.predict_span() == 16 and engine.predict_span(2) == 48
+    assert engine.count_tokens(TEXT) == len(ids) > 48
+    fit = engine.fit_context(TEXT)
+    assert (fit.tokens, fit.total) == (16, len(ids)) and TEXT.endswith(fit.text)
+    assert encoder.tokenize(fit.text) == ids[-16:]
+    full, cut = engine.predict(TEXT, top_n=5), engine.predict(fit.text, top_n=5)
+    assert [s.token_id for s in full.suggestions] == [s.token_id for s in cut.suggestions]
+    assert [s.prob for s in full.suggestions] == [s.prob for s in cut.suggestions]
+    fit = engine.fit_context(TEXT, long_segments=2)
+    assert fit.tokens == 48 and encoder.tokenize(fit.text) == ids[-48:]
+    short = "The harbour authority"
+    n = len(encoder.tokenize(short))
+    assert engine.fit_context(short) == type(fit)(short, n, n)
