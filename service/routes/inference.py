@@ -36,8 +36,11 @@ PREDICT, SCORE = "predict", "score"
 
 # What a request costs the model thread beyond its tokens (the memory search, the head,
 # the top-N), in tokens: without it a flood of one-token contexts would be admitted as
-# if nearly free.
-BASE_COST = 16
+# if nearly free. The true share depends on the model (a one-token /predict costs 6 ms
+# and a 128-token one 8 ms with tiny-gpt2; SmolLM2 spends ~10 ms per token); the estimate
+# is a ratio of sums over the recent mix of requests, so it is right on average for any
+# steady mix and this only sets how a sudden change of lengths is judged.
+BASE_COST = 32
 
 
 def request_cost(tokens: int) -> int:
