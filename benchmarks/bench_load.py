@@ -52,6 +52,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: int) -> float:
     if not values:
         return float("nan")
@@ -72,6 +81,8 @@ class Level:
     retry_after: list[int] = field(default_factory=list)
     seconds: float = 0.0  # first request to last answer
     load: str = ""
+    cpu_client: float = 0.0  # CPU seconds of this process during the level
+    cpu_server: float = 0.0  # ... and of the server process
 
     def row(self) -> str:
         rate = self.ok / self.seconds if self.seconds else 0.0
@@ -80,15 +91,16 @@ class Level:
             f"| {self.clients:7d} | {self.sent:5d} | {self.ok:5d} | {self.refused:5d} | "
             f"{self.other:5d} | {rate:7.1f} | {pct(self.latencies, 50) * 1000:7.0f} | "
             f"{pct(self.latencies, 99) * 1000:7.0f} | {ra:>11s} | "
-            f"{pct(self.health, 99) * 1000:9.1f} |"
+            f"{pct(self.health, 99) * 1000:14.1f} | {self.cpu_server:6.1f} | "
+            f"{self.cpu_client:6.1f} |"
         )
 
 
 HEADER = (
     "| clients |  sent |   200 |   429 | other |   ok/s | p50 ms | p99 ms | Retry-After "
-    "| healthz p99 ms |\n"
+    "| healthz p99 ms | server CPU s | client CPU s |\n"
     "|--------:|------:|------:|------:|------:|-------:|-------:|-------:|------------:"
-    "|---------------:|"
+    "|---------------:|-------:|-------:|"
 )
 
 
@@ -180,7 +192,7 @@ async def queue_depth(client: Any) -> float:
 
 
 async def run_level(
-    base: str, contexts: list[str], clients: int, duration: float, drain: float
+    base: str, contexts: list[str], clients: int, duration: float, drain: float, pid: int
 ) -> Level:
     import httpx
 
@@ -191,6 +203,7 @@ async def run_level(
         httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client,
         httpx.AsyncClient(base_url=base, timeout=timeout) as probe,
     ):
+        cpu0, server0 = cpu_seconds(), cpu_seconds(pid)
         t0 = time.monotonic()
         stop = t0 + duration
         last = [t0]
@@ -230,6 +243,8 @@ async def run_level(
         await asyncio.gather(health(), *(one(k) for k in range(clients)))
         level.seconds = last[0] - t0
         level.load = load_average()
+        level.cpu_client = cpu_seconds() - cpu0
+        level.cpu_server = cpu_seconds(pid) - server0
         # let the server's queue drain before the next level
         t1 = time.monotonic()
         while time.monotonic() - t1 < drain and await queue_depth(probe) > 0:
@@ -267,7 +282,8 @@ async def bench(checkout: Path, args: argparse.Namespace, label: str) -> list[Le
             )
         levels = []
         for n in args.levels:
-            lv = await run_level(base, contexts, n, args.duration, args.drain)
+            assert server.proc is not None
+            lv = await run_level(base, contexts, n, args.duration, args.drain, server.proc.pid)
             print(f"[{label}] {n} clients done, load average {lv.load}", flush=True)
             levels.append(lv)
         return levels

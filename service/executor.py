@@ -7,6 +7,13 @@ plus its own fits ``budget_s``. Otherwise :class:`Overloaded` (429) with a Retry
 of the queue's expected drain time. Jobs that share a ``batch`` key and wait together
 are handed to their batch function in one call (micro-batching).
 
+The model thread is not the only place a request waits: under load the event loop
+(HTTP, JSON, validation) and the thread pool queue requests too. So the routes also
+hold a request slot (:meth:`ModelExecutor.request`) for their whole run, and a new
+request is refused when (requests in flight + 1) x the measured seconds per request
+exceeds the same budget (Little's law: the wait of a request that joins L others
+served at rate mu is about (L + 1) / mu, whatever the bottleneck is).
+
 Thread safety by design: the queue's bookkeeping (costs waiting, the batch running, the
 service-time estimates) is touched only under ``self._lock``, by the event loop when it
 admits and by the model thread when it takes and finishes jobs.
@@ -21,7 +28,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,6 +39,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BatchFn = Callable[[Sequence[Any]], Sequence[Any]]
+
+# The kind under which whole requests are timed (seconds per request, ``request()``).
+REQUEST = "request"
 
 # Weight of the newest timing: the estimate follows a change of load (another process
 # taking the cores) within about five batches, and one slow outlier moves it by 20%.
@@ -127,6 +137,8 @@ class ModelExecutor:
         self._busy = False
         self._running_s = 0.0  # expected seconds of the jobs on the thread
         self._started = 0.0
+        self._in_flight = 0  # requests holding a slot (``request()``)
+        self._mark = 0.0  # the last completion, or the start of the busy period
         # ---
         self._closing = False
         self.batches: list[int] = []  # sizes of the last batches run (for tests and logs)
@@ -146,7 +158,54 @@ class ModelExecutor:
         with self._lock:
             return self.times.per_cost(kind)
 
-    # --- admission (event loop) ----------------------------------------------------------
+    # --- requests in flight (event loop) ------------------------------------------------
+
+    def _slot_refusal(self, now: float) -> Overloaded | None:
+        """Why a new request gets no slot now, or None (lock held)."""
+        per = self.times.per_cost(REQUEST)
+        if self._in_flight == 0 or per is None:
+            return None
+        if (self._in_flight + 1) * per <= self.budget_s:
+            return None
+        retry = max(self.min_retry_after, math.ceil(self._in_flight * per))
+        return Overloaded(
+            f"the server is busy: {self._in_flight} requests in flight, about {per:.3f} s "
+            f"each; retry in {retry} s",
+            retry_after=retry,
+        )
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Hold a request slot for the whole of a request; :class:`Overloaded` if refused.
+
+        The seconds per request are timed over busy periods only (some request in
+        flight): each request served counts the busy time since the one before it.
+        """
+        with self._lock:
+            now = self.clock()
+            refusal = self._slot_refusal(now)
+            if refusal is not None:
+                raise refusal
+            if self._in_flight == 0:
+                self._mark = now
+            self._in_flight += 1
+        try:
+            yield
+        except BaseException:
+            # refused further on, or failed: not a timing of a served request
+            with self._lock:
+                self._in_flight -= 1
+            raise
+        with self._lock:
+            now = self.clock()
+            self.times.observe(REQUEST, 1, now - self._mark)
+            self._mark = now
+            self._in_flight -= 1
+
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # --- admission to the model queue (event loop) ------------------------------------------
 
     def _ahead(self, now: float) -> float:
         """Expected seconds until the thread has finished the work queued now (lock held).
@@ -190,7 +249,8 @@ class ModelExecutor:
         return None
 
     def retry_after(self) -> int:
-        """Whole seconds until the work queued now is expected to be done (at least the minimum)."""
+        """Whole seconds until the model work queued now is expected to be done (at least
+        the minimum)."""
         with self._lock:
             return max(self.min_retry_after, math.ceil(self._ahead(self.clock())))
 

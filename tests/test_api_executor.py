@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.errors import Overloaded
-from service.executor import ModelExecutor, ServiceTimes
+from service.executor import REQUEST, ModelExecutor, ServiceTimes
 from service.routes.inference import BASE_COST
 from tests.fakes import FakeEngine, Prediction
 from tests.service_helpers import make_settings
@@ -233,6 +233,38 @@ def test_internal_jobs_are_never_refused_and_abandoned_jobs_are_skipped() -> Non
     assert ran == ["sync", "after"]
 
 
+def test_request_slots_by_requests_in_flight_times_seconds_per_request() -> None:
+    clock = Clock()
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, clock=clock)
+    try:
+        with ex.request():  # never timed, idle: admitted
+            clock.t = 0.5
+        assert ex.per_cost(REQUEST) == 0.5  # the busy time it took
+        clock.t = 10.0  # idle time is not counted
+        b, c, d, e = ex.request(), ex.request(), ex.request(), ex.request()
+        for n, slot in enumerate((b, c, d, e)):  # (n + 1) x 0.5 s: 0.5, 1.0, 1.5, 2.0
+            slot.__enter__()
+            assert ex.in_flight() == n + 1
+        with pytest.raises(Overloaded) as info, ex.request():  # 5 x 0.5 s
+            pass
+        assert info.value.retry_after == 2  # 4 x 0.5 s
+        assert str(info.value) == (
+            "the server is busy: 4 requests in flight, about 0.500 s each; retry in 2 s"
+        )
+        # a failed request frees its slot, untimed (the error goes on: __exit__ is False)
+        assert b.__exit__(ValueError, ValueError("x"), None) is False
+        assert ex.in_flight() == 3 and ex.per_cost(REQUEST) == 0.5
+        clock.t = 10.25
+        c.__exit__(None, None, None)  # served: 0.25 s of busy time since the last one
+        assert ex.per_cost(REQUEST) == (0.8 * 0.5 + 0.2 * 0.25) / 1.0
+        clock.t = 10.5
+        d.__exit__(None, None, None)
+        e.__exit__(None, None, None)  # 0 s after d: they finished together
+        assert ex.in_flight() == 0
+    finally:
+        ex.close()
+
+
 # --- micro-batching ---------------------------------------------------------------------------
 
 
@@ -356,7 +388,7 @@ def test_score_cost_counts_its_tokens(tmp_path: Path, sqlite_url: str) -> None:
         def post(path: str, body: dict[str, str]) -> None:
             done.append(client.post(path, json=body).status_code)
 
-        first = threading.Thread(target=post, args=("/predict", {"context": _words(48)}))
+        first = threading.Thread(target=post, args=("/predict", {"context": _words(64 - BASE_COST)}))
         first.start()
         assert engine.entered.wait(10)  # 64 / 128 = 0.5 s ahead
         r = client.post("/score", json={"text": _words(193 - BASE_COST)})

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.repositories import DocumentRepository, PolicyRepository
@@ -46,6 +46,15 @@ BASE_COST = 32
 def request_cost(tokens: int) -> int:
     """The executor's cost of a request whose model reads ``tokens`` tokens."""
     return BASE_COST + tokens
+
+
+async def request_slot(state: State) -> AsyncIterator[None]:
+    """Hold one of the executor's request slots for the whole request (429 if refused)."""
+    with state.executor.request():
+        yield
+
+
+Slot = Depends(request_slot)
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ def _check_size(state: AppState, text: str, name: str) -> None:
     "/predict",
     response_model=PredictResponse,
     response_model_by_alias=True,
-    dependencies=[ReadAuth],
+    dependencies=[ReadAuth, Slot],
     summary="Next-token suggestions with the memory's neighbours",
 )
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
@@ -178,7 +187,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
 @router.post(
     "/score",
     response_model=ScoreResponse,
-    dependencies=[ReadAuth],
+    dependencies=[ReadAuth, Slot],
     summary="Per-token log-probabilities and what the policy would store",
 )
 async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreResponse:
