@@ -2,7 +2,8 @@
 
 Starts the API (`memlm serve`, from this checkout or another one) in a subprocess on
 127.0.0.1 with a fresh data directory, memorises a few news articles through it, then
-for each level runs N clients on one asyncio loop (httpx) for ``--duration`` seconds.
+for each level runs N clients on one asyncio loop (uvloop when installed; plain HTTP/1.1
+keep-alive connections written by hand, cheaper than an HTTP library) for ``--duration`` s.
 Each client sends /predict with a ~128-token news context (its own article each time),
 waits for the answer, and sends the next; after a 429 it sleeps the Retry-After the
 server asked for (a well-behaved client). After the duration no new request is sent,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -191,64 +193,98 @@ async def queue_depth(client: Any) -> float:
     return 0.0
 
 
+class Conn:
+    """One keep-alive HTTP/1.1 connection, spoken by hand: the load generator shares the
+    machine with the server, so it must spend as little CPU per request as it can."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def send(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        status = int((await self.reader.readline()).split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        await self.reader.readexactly(int(headers.get("content-length", "0")))
+        return status, headers
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 async def run_level(
     base: str, contexts: list[str], clients: int, duration: float, drain: float, pid: int
 ) -> Level:
     import httpx
 
     level = Level(clients)
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    timeout = httpx.Timeout(600.0)
-    async with (
-        httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client,
-        httpx.AsyncClient(base_url=base, timeout=timeout) as probe,
-    ):
-        cpu0, server0 = cpu_seconds(), cpu_seconds(pid)
-        t0 = time.monotonic()
-        stop = t0 + duration
-        last = [t0]
+    host, port = base.removeprefix("http://").split(":")
+    bodies = [json.dumps({"context": c}).encode() for c in contexts]
+    probe = Conn(host, int(port))
+    conns = [Conn(host, int(port)) for _ in range(clients)]
+    cpu0, server0 = cpu_seconds(), cpu_seconds(pid)
+    t0 = time.monotonic()
+    stop = t0 + duration
+    last = [t0]
 
-        async def one(k: int) -> None:
-            i = k
-            while time.monotonic() < stop:
-                ctx = contexts[i % len(contexts)]
-                i += clients
-                s = time.monotonic()
-                level.sent += 1
-                try:
-                    r = await client.post("/predict", json={"context": ctx})
-                    code = r.status_code
-                except httpx.HTTPError:
-                    code = 0
-                e = time.monotonic()
-                last[0] = max(last[0], e)
-                if code == 200:
-                    level.ok += 1
-                    level.latencies.append(e - s)
-                elif code == 429:
-                    level.refused += 1
-                    wait = int(r.headers.get("Retry-After", "1"))
-                    level.retry_after.append(wait)
-                    await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
-                else:
-                    level.other += 1
+    async def one(k: int) -> None:
+        i, conn = k, conns[k]
+        while time.monotonic() < stop:
+            body = bodies[i % len(bodies)]
+            i += clients
+            s = time.monotonic()
+            level.sent += 1
+            try:
+                code, headers = await conn.send("POST", "/predict", body)
+            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+                code, headers = 0, {}
+                conn.close()
+                conns[k] = conn = Conn(host, int(port))
+            e = time.monotonic()
+            last[0] = max(last[0], e)
+            if code == 200:
+                level.ok += 1
+                level.latencies.append(e - s)
+            elif code == 429:
+                level.refused += 1
+                wait = int(headers.get("retry-after", "1"))
+                level.retry_after.append(wait)
+                await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
+            else:
+                level.other += 1
 
-        async def health() -> None:
-            while time.monotonic() < stop:
-                s = time.monotonic()
-                await probe.get("/healthz")
-                level.health.append(time.monotonic() - s)
-                await asyncio.sleep(0.05)
+    async def health() -> None:
+        while time.monotonic() < stop:
+            s = time.monotonic()
+            await probe.send("GET", "/healthz")
+            level.health.append(time.monotonic() - s)
+            await asyncio.sleep(0.05)
 
-        await asyncio.gather(health(), *(one(k) for k in range(clients)))
-        level.seconds = last[0] - t0
-        level.load = load_average()
-        level.cpu_client = cpu_seconds() - cpu0
-        level.cpu_server = cpu_seconds(pid) - server0
-        # let the server's queue drain before the next level
+    await asyncio.gather(health(), *(one(k) for k in range(clients)))
+    level.seconds = last[0] - t0
+    level.load = load_average()
+    level.cpu_client = cpu_seconds() - cpu0
+    level.cpu_server = cpu_seconds(pid) - server0
+    for c in conns:
+        c.close()
+    # let the server's queue drain before the next level
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         t1 = time.monotonic()
-        while time.monotonic() - t1 < drain and await queue_depth(probe) > 0:
+        while time.monotonic() - t1 < drain and await queue_depth(client) > 0:
             await asyncio.sleep(0.5)
+    probe.close()
     return level
 
 
@@ -304,6 +340,14 @@ def table(label: str, levels: list[Level]) -> str:
     return "\n".join(lines)
 
 
+def run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-gpt2")
@@ -322,8 +366,8 @@ def main() -> None:
     print(f"load average before: {load_average()}", flush=True)
     runs: list[tuple[str, list[Level]]] = []
     if args.baseline is not None:
-        runs.append(("baseline", asyncio.run(bench(args.baseline.resolve(), args, "baseline"))))
-    runs.append(("this", asyncio.run(bench(args.checkout.resolve(), args, "this"))))
+        runs.append(("baseline", run(bench(args.baseline.resolve(), args, "baseline"))))
+    runs.append(("this", run(bench(args.checkout.resolve(), args, "this"))))
     print()
     print(
         f"model {args.model}, {args.threads} torch thread(s), {args.duration:g} s per level, "
