@@ -6,7 +6,7 @@ for each level runs N clients on one asyncio loop (uvloop when installed; plain 
 keep-alive connections written by hand, cheaper than an HTTP library) for ``--duration`` s.
 Each client sends /predict with a ~128-token news context (its own article each time),
 waits for the answer, and sends the next; after a 429 it sleeps the Retry-After the
-server asked for (a well-behaved client). After the duration no new request is sent,
+server asked for (a well-behaved client), or, with ``--hammer``, retries at once. After the duration no new request is sent,
 and the requests in flight are awaited (their latency counts). A prober sends
 GET /healthz every 50 ms meanwhile. Between levels the server's queue drains.
 
@@ -131,7 +131,11 @@ class Server:
     def start(self) -> None:
         cli = [sys.executable, "-m", "memlm.cli"]
         subprocess.run(
-            [*cli, "db", "upgrade"], cwd=self.checkout, env=self.env, check=True, capture_output=True
+            [*cli, "db", "upgrade"],
+            cwd=self.checkout,
+            env=self.env,
+            check=True,
+            capture_output=True,
         )
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -169,8 +173,7 @@ async def wait_ready(client: Any, server: Server, timeout: float = 300) -> None:
 async def memorise(client: Any, docs: list[Any], timeout: float = 600) -> None:
     body = {
         "documents": [
-            {"text": d.text, "published_at": str(d.published_at), "source": d.source}
-            for d in docs
+            {"text": d.text, "published_at": str(d.published_at), "source": d.source} for d in docs
         ]
     }
     r = await client.post("/ingest", json=body, headers={"Authorization": "Bearer change-me"})
@@ -225,7 +228,13 @@ class Conn:
 
 
 async def run_level(
-    base: str, contexts: list[str], clients: int, duration: float, drain: float, pid: int
+    base: str,
+    contexts: list[str],
+    clients: int,
+    duration: float,
+    drain: float,
+    pid: int,
+    hammer: bool,
 ) -> Level:
     import httpx
 
@@ -261,7 +270,8 @@ async def run_level(
                 level.refused += 1
                 wait = int(headers.get("retry-after", "1"))
                 level.retry_after.append(wait)
-                await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
+                if not hammer:
+                    await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
             else:
                 level.other += 1
 
@@ -319,7 +329,9 @@ async def bench(checkout: Path, args: argparse.Namespace, label: str) -> list[Le
         levels = []
         for n in args.levels:
             assert server.proc is not None
-            lv = await run_level(base, contexts, n, args.duration, args.drain, server.proc.pid)
+            lv = await run_level(
+                base, contexts, n, args.duration, args.drain, server.proc.pid, args.hammer
+            )
             print(f"[{label}] {n} clients done, load average {lv.load}", flush=True)
             levels.append(lv)
         return levels
@@ -357,6 +369,9 @@ def main() -> None:
     ap.add_argument("--drain", type=float, default=180.0, help="longest wait between levels")
     ap.add_argument("--docs", type=int, default=3, help="news articles memorised first")
     ap.add_argument("--budget", type=float, default=None, help="MEMLM_QUEUE_BUDGET_S")
+    ap.add_argument(
+        "--hammer", action="store_true", help="clients ignore Retry-After and retry at once"
+    )
     ap.add_argument("--checkout", type=Path, default=ROOT, help="the code to serve")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run first")
     args = ap.parse_args()
@@ -371,6 +386,7 @@ def main() -> None:
     print()
     print(
         f"model {args.model}, {args.threads} torch thread(s), {args.duration:g} s per level, "
+        f"{'Retry-After ignored' if args.hammer else 'Retry-After honoured'}, "
         f"contexts of ~128 tokens, {os.cpu_count()} cores; "
         f"{time.monotonic() - started:.0f} s in all; load average after: {load_average()}"
     )

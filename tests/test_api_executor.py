@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.errors import Overloaded
 from service.executor import REQUEST, ModelExecutor, ServiceTimes
-from service.routes.inference import BASE_COST
+from service.routes.inference import BASE_COST, INLINE_CHARS
 from tests.fakes import FakeEngine, Prediction
 from tests.service_helpers import make_settings
 
@@ -424,8 +424,9 @@ def test_healthz_answers_while_the_thread_pool_and_the_model_are_busy(
             anyio.to_thread.current_default_thread_limiter().total_tokens = 2
 
         client.portal.call(small_pool)
+        long = _words(INLINE_CHARS // 4 + 1)  # tokenised in the pool
         busy = [
-            threading.Thread(target=client.post, args=("/score",), kwargs={"json": {"text": "a b"}})
+            threading.Thread(target=client.post, args=("/score",), kwargs={"json": {"text": long}})
             for _ in range(2)
         ]
         for t in busy:
