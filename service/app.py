@@ -20,7 +20,7 @@ from memlm.settings import Settings
 from service.errors import install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
-from service.middleware import BodyGuard, RequestMetrics
+from service.middleware import BodyGuard, RequestMetrics, RequestSlots
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
@@ -201,6 +201,7 @@ def create_app(
     install_error_handlers(app)
     for module in (documents, inference, admin, health):
         app.include_router(module.router)
+    app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

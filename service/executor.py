@@ -9,7 +9,8 @@ are handed to their batch function in one call (micro-batching).
 
 The model thread is not the only place a request waits: under load the event loop
 (HTTP, JSON, validation) and the thread pool queue requests too. So the routes also
-hold a request slot (:meth:`ModelExecutor.request`) for their whole run, and a new
+hold a request slot (:meth:`ModelExecutor.enter_request`, taken by the
+``RequestSlots`` middleware) for their whole run, and a new
 request is refused when (requests in flight + 1) x the measured seconds per request
 exceeds the same budget (Little's law: the wait of a request that joins L others
 served at rate mu is about (L + 1) / mu, whatever the bottleneck is).
@@ -169,18 +170,13 @@ class ModelExecutor:
             return None
         retry = max(self.min_retry_after, math.ceil(self._in_flight * per))
         return Overloaded(
-            f"the server is busy: {self._in_flight} requests in flight, about {per:.3f} s "
+            f"the server is busy: {self._in_flight} request(s) in flight, about {per:.3f} s "
             f"each; retry in {retry} s",
             retry_after=retry,
         )
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Hold a request slot for the whole of a request; :class:`Overloaded` if refused.
-
-        The seconds per request are timed over busy periods only (some request in
-        flight): each request served counts the busy time since the one before it.
-        """
+    def enter_request(self) -> None:
+        """Take a request slot for the whole of a request; :class:`Overloaded` if refused."""
         with self._lock:
             now = self.clock()
             refusal = self._slot_refusal(now)
@@ -189,18 +185,27 @@ class ModelExecutor:
             if self._in_flight == 0:
                 self._mark = now
             self._in_flight += 1
+
+    def leave_request(self, served: bool) -> None:
+        """Give the slot back. A request ``served`` is timed: the busy time (some request
+        in flight) since the last one served; one refused further on or failed is not."""
+        with self._lock:
+            if served:
+                now = self.clock()
+                self.times.observe(REQUEST, 1, now - self._mark)
+                self._mark = now
+            self._in_flight -= 1
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """``enter_request`` / ``leave_request`` around a block (served unless it raises)."""
+        self.enter_request()
         try:
             yield
         except BaseException:
-            # refused further on, or failed: not a timing of a served request
-            with self._lock:
-                self._in_flight -= 1
+            self.leave_request(served=False)
             raise
-        with self._lock:
-            now = self.clock()
-            self.times.observe(REQUEST, 1, now - self._mark)
-            self._mark = now
-            self._in_flight -= 1
+        self.leave_request(served=True)
 
     def in_flight(self) -> int:
         return self._in_flight

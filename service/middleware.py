@@ -8,10 +8,17 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.errors import Overloaded
 from service.metrics import Metrics
 
 
-async def _send_error(send: Send, status: int, error: str, detail: str) -> None:
+async def _send_error(
+    send: Send,
+    status: int,
+    error: str,
+    detail: str,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     body = json.dumps({"error": error, "detail": detail}).encode()
     await send(
         {
@@ -20,6 +27,7 @@ async def _send_error(send: Send, status: int, error: str, detail: str) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
+                *extra,
             ],
         }
     )
@@ -108,3 +116,42 @@ class RequestMetrics:
             self.metrics.observe_request(
                 scope["method"], path, status["code"], time.perf_counter() - t0
             )
+
+
+class RequestSlots:
+    """Hold one of the model executor's request slots for each model request (429 if refused).
+
+    A middleware rather than a dependency: the refusal costs no body parsing, and the slot
+    covers the whole request (reading the body, validation, the response), which is
+    where requests wait when the event loop, not the model, is the bottleneck.
+    """
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...] = ("/predict", "/score")) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope["app"].state, "memlm", None) if "app" in scope else None
+        if scope["type"] != "http" or scope["path"] not in self.paths or state is None:
+            await self.app(scope, receive, send)
+            return
+        executor = state.executor
+        try:
+            executor.enter_request()
+        except Overloaded as exc:
+            extra = ((b"retry-after", str(exc.retry_after).encode()),)
+            await _send_error(send, 429, exc.error, str(exc), extra)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        served = False
+        try:
+            await self.app(scope, receive, send_wrapper)
+            served = status["code"] < 400
+        finally:
+            executor.leave_request(served)

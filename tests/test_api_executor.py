@@ -249,7 +249,7 @@ def test_request_slots_by_requests_in_flight_times_seconds_per_request() -> None
             pass
         assert info.value.retry_after == 2  # 4 x 0.5 s
         assert str(info.value) == (
-            "the server is busy: 4 requests in flight, about 0.500 s each; retry in 2 s"
+            "the server is busy: 4 request(s) in flight, about 0.500 s each; retry in 2 s"
         )
         # a failed request frees its slot, untimed (the error goes on: __exit__ is False)
         assert b.__exit__(ValueError, ValueError("x"), None) is False
@@ -372,6 +372,33 @@ def test_http_429_body_and_retry_after_from_the_queue(tmp_path: Path, sqlite_url
         for t in threads:
             t.join(10)
         assert results == [200, 200, 200, 200]
+
+
+def test_http_429_from_the_request_slots(tmp_path: Path, sqlite_url: str) -> None:
+    settings = make_settings(tmp_path, sqlite_url, queue_budget_s=2.0)
+    engine = SlowEngine()
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with TestClient(app) as client:
+        ex: ModelExecutor = app.state.memlm.executor
+        ex.observe(REQUEST, 1, 1.5)
+        done: list[int] = []
+        first = threading.Thread(
+            target=lambda: done.append(client.post("/predict", json={"context": "a"}).status_code)
+        )
+        first.start()
+        assert engine.entered.wait(10)
+        assert ex.in_flight() == 1
+        r = client.post("/score", json={"text": "the a"})  # (1 + 1) x 1.5 s > 2 s
+        assert (r.status_code, r.headers["Retry-After"]) == (429, "2")
+        assert r.json() == {
+            "error": "overloaded",
+            "detail": "the server is busy: 1 request(s) in flight, about 1.500 s each; "
+            "retry in 2 s",
+        }
+        assert client.get("/healthz").status_code == 200  # not a model request
+        engine.gate.set()
+        first.join(10)
+        assert done == [200] and ex.in_flight() == 0
 
 
 def test_score_cost_counts_its_tokens(tmp_path: Path, sqlite_url: str) -> None:

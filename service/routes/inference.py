@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.repositories import DocumentRepository, PolicyRepository
@@ -64,13 +64,6 @@ async def off_loop_if_long(text: str, fn: Callable[[], T]) -> T:
     return await run_in_threadpool(fn)
 
 
-async def request_slot(state: State) -> AsyncIterator[None]:
-    """Hold one of the executor's request slots for the whole request (429 if refused)."""
-    with state.executor.request():
-        yield
-
-
-Slot = Depends(request_slot)
 
 
 @dataclass(frozen=True)
@@ -142,7 +135,7 @@ def _check_size(state: AppState, text: str, name: str) -> None:
     "/predict",
     response_model=PredictResponse,
     response_model_by_alias=True,
-    dependencies=[ReadAuth, Slot],
+    dependencies=[ReadAuth],
     summary="Next-token suggestions with the memory's neighbours",
 )
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
@@ -202,7 +195,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
 @router.post(
     "/score",
     response_model=ScoreResponse,
-    dependencies=[ReadAuth, Slot],
+    dependencies=[ReadAuth],
     summary="Per-token log-probabilities and what the policy would store",
 )
 async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreResponse:
