@@ -415,7 +415,9 @@ def test_score_cost_counts_its_tokens(tmp_path: Path, sqlite_url: str) -> None:
         def post(path: str, body: dict[str, str]) -> None:
             done.append(client.post(path, json=body).status_code)
 
-        first = threading.Thread(target=post, args=("/predict", {"context": _words(64 - BASE_COST)}))
+        first = threading.Thread(
+            target=post, args=("/predict", {"context": _words(64 - BASE_COST)})
+        )
         first.start()
         assert engine.entered.wait(10)  # 64 / 128 = 0.5 s ahead
         r = client.post("/score", json={"text": _words(193 - BASE_COST)})

@@ -64,8 +64,6 @@ async def off_loop_if_long(text: str, fn: Callable[[], T]) -> T:
     return await run_in_threadpool(fn)
 
 
-
-
 @dataclass(frozen=True)
 class PredictOptions:
     """What one micro-batch of /predict requests shares (the executor groups by it)."""
@@ -205,9 +203,7 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
     tokens = await off_loop_if_long(body.text, partial(engine.count_tokens, body.text))
     limit = state.settings.max_score_tokens
     if tokens > limit:
-        raise PayloadTooLarge(
-            f"text has {tokens} tokens; at most {limit} (MEMLM_MAX_SCORE_TOKENS)"
-        )
+        raise PayloadTooLarge(f"text has {tokens} tokens; at most {limit} (MEMLM_MAX_SCORE_TOKENS)")
 
     def active_policy() -> tuple[str, Any]:
         with state.sessions.begin() as s:
