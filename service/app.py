@@ -20,7 +20,7 @@ from memlm.settings import Settings
 from service.errors import install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
-from service.middleware import BodyGuard, RequestMetrics
+from service.middleware import BodyGuard, CatchAll, RequestMetrics
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
@@ -202,4 +202,5 @@ def create_app(
         app.include_router(module.router)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    app.add_middleware(CatchAll)  # outermost of ours: a 500 is a normal response
     return app
