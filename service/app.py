@@ -17,7 +17,7 @@ from memlm.db.migrate import check_migrated
 from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
 from memlm.db.session import make_engine, make_sessionmaker
 from memlm.settings import Settings
-from service.errors import install_error_handlers
+from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics
@@ -195,6 +195,7 @@ def create_app(
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        responses=error_responses(500),  # any route, when something unexpected fails
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
