@@ -152,8 +152,8 @@ def test_worker_process_killed_between_append_and_commit(
         "MEMLM_MODEL": "tiny-llama",
         "MEMLM_DATA_DIR": str(settings.data_dir),
         "MEMLM_DATABASE_URL": sqlite_url,
-        "MEMLM_INGEST_TOKEN": "i",
-        "MEMLM_ADMIN_TOKEN": "a",
+        "MEMLM_INGEST_TOKEN": "ingest-secret-for-tests",
+        "MEMLM_ADMIN_TOKEN": "admin-secret-for-tests",
         "MEMLM_THREADS": "1",
         "MEMLM_CALIBRATOR_SAMPLE": "1.0",  # both documents are recorded for the calibrator
     }
