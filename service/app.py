@@ -24,6 +24,7 @@ from service.middleware import BodyGuard, CatchAll, RequestMetrics
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
+from workers.builder import reconcile_index
 from workers.engine import EngineLike
 from workers.engine import open_engine as _open_engine
 
@@ -156,6 +157,10 @@ def create_app(
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, max(LOAD_RETRY_MAX_SECONDS, delay))
             state.load_error = None
+            # Serve only recorded builds; the worker (the writer) deletes the orphans. What
+            # is served now is the record: sync_index must not reload CURRENT over it.
+            await asyncio.to_thread(reconcile_index, eng, sessions, delete=False)
+            state.served_version = await asyncio.to_thread(_engine_version, eng)
             _attach(state, eng)
             if with_worker:
                 start_worker(eng)
