@@ -144,7 +144,5 @@ class CatchAll:
         except Exception as exc:
             if started:
                 raise
-            log.error(
-                "unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc
-            )
+            log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
             await _send_error(send, 500, "internal_error", "internal server error")

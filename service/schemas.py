@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from memlm.policy import DELTA_RANGE, check_policy
+from memlm.policy import DELTA_RANGE, POLICY_NAMES, check_policy
 
 DocumentStatus = Literal["pending", "processing", "done", "failed", "forgetting", "forgotten"]
 
@@ -54,7 +54,9 @@ def check_storable(value: Any, where: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{where} contains a lone surrogate; it is not valid Unicode") from None
+            raise ValueError(
+                f"{where} contains a lone surrogate; it is not valid Unicode"
+            ) from None
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{where} is {value}; only finite numbers can be stored")
@@ -318,8 +320,7 @@ class StatsResponse(BaseModel):
 
 
 class PolicyIn(Strict):
-    policy: str = Field(examples=["monim"], description="fullmem, randmem, monim, monim-amt "
-                        "or monim-kl")
+    policy: str = Field(examples=["monim"], json_schema_extra={"enum": list(POLICY_NAMES)})
     delta: float | None = Field(
         None,
         ge=DELTA_RANGE[0],

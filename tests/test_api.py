@@ -328,7 +328,10 @@ def test_policy_delta_must_be_finite(env: Env, raw: bytes) -> None:
         content=b'{"policy": "monim", "delta": ' + raw + b"}",
     )
     assert r.status_code == 422
-    assert r.json() == {"error": "validation_error", "detail": "delta: Input should be a finite number"}
+    assert r.json() == {
+        "error": "validation_error",
+        "detail": "delta: Input should be a finite number",
+    }
     c.post("/ingest", headers=INGEST, json={"documents": [doc("a b c")]})
     assert env.drain() == 1
     st = c.get("/admin/stats", headers=ADMIN).json()

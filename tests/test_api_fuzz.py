@@ -8,15 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis  # a dev extra: pip install -e '.[dev]'
+from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
+from schemathesis.generation import GenerationMode
 
-schemathesis = pytest.importorskip("schemathesis")  # a dev extra: `pip install -e .[dev]`
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from schemathesis import checks  # noqa: E402
-from schemathesis.generation import GenerationMode  # noqa: E402
-
-from service.app import create_app  # noqa: E402
-from tests.test_api import Env, _env  # noqa: E402
+from service.app import create_app
+from tests.test_api import Env, _env
 
 # Examples per operation and mode: 13 operations x 2 modes x 25 take ~30 s here (docs/service.md).
 EXAMPLES = 25
@@ -41,8 +39,7 @@ def _schema() -> Any:
 
 SCHEMA = _schema()
 OPERATIONS = [
-    (op.path, op.method.upper())
-    for op in (result.ok() for result in SCHEMA.get_all_operations())
+    (op.path, op.method.upper()) for op in (result.ok() for result in SCHEMA.get_all_operations())
 ]
 # Invalid requests exist only where there is something to get wrong (a body or a path id).
 TAKES_INPUT = {

@@ -28,9 +28,7 @@ def server(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[str, FakeEngine]]:
     """The app over the fake engine, served by uvicorn on 127.0.0.1 from a thread."""
     engine = FakeEngine()
     settings = make_settings(tmp_path, sqlite_url)
-    app = create_app(
-        settings, engine=engine, policy_factory=_by_name, run_worker=False, poll=False
-    )
+    app = create_app(settings, engine=engine, policy_factory=_by_name, run_worker=False, poll=False)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -57,7 +55,9 @@ def _local_port(r: httpx.Response) -> int:
 
 
 def test_a_500_keeps_the_keep_alive_connection(
-    server: tuple[str, FakeEngine], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    server: tuple[str, FakeEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Before CatchAll, Starlette re-raised after its 500 and uvicorn closed the socket."""
     url, engine = server
