@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
+from memlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
 DEFAULT_SECRET = "change-me"
@@ -116,6 +117,15 @@ class Settings(BaseSettings):
         if v is not None and not v.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql+psycopg:// URL")
         return v
+
+    @model_validator(mode="after")
+    def _meaningful_delta(self) -> Settings:
+        # The same rule as PUT /admin/policy: a NaN delta would store nothing at all.
+        try:
+            check_policy(self.policy, self.delta, {})
+        except ValueError as e:
+            raise ValueError(f"MEMLM_POLICY / MEMLM_DELTA: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _calibrator_bounds(self) -> Settings:

@@ -76,6 +76,8 @@ def test_weak_tokens_refused_outside_development(
         ("queue_size", 0, "greater than or equal to 1"),
         ("knn_lambda", 1.5, "less than or equal to 1"),
         ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
+        ("delta", float("nan"), "MEMLM_DELTA: delta must be a finite number in"),
+        ("delta", 2.0, "MEMLM_DELTA: delta must be a finite number in"),
     ],
 )
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:
