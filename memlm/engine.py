@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,16 @@ from memlm.calibrator import TOP_N, ServedCalibration
 from memlm.datastore import Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
-from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
+from memlm.index import (
+    BuildInfo,
+    IndexParams,
+    MemoryIndex,
+    build_index,
+    list_versions,
+    newest_recorded,
+    prune,
+    remove_orphan_versions,
+)
 from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.locks import FileLock, LockBusy
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
@@ -750,6 +759,26 @@ class Engine:
         changed = self.index.reload()
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         return changed
+
+    def reconcile_index(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Serve only index versions the database recorded: the newest of them on disk.
+
+        A version directory no record names (a build killed before its record) is an
+        orphan; ``delete`` (a writer, which takes the build lock) also removes orphans and
+        points CURRENT back. Returns the orphan versions found, ascending.
+        """
+        root = self.data_dir / "index"
+        if delete:
+            self._check_writer()
+            with self.building(timeout=0):
+                orphans = remove_orphan_versions(root, recorded)
+        else:
+            orphans = [v for v in list_versions(root) if v not in set(recorded)]
+        want = newest_recorded(root, recorded)
+        if self.index.version != want:
+            self.index.serve(want)
+            self.calibration.load_for(root, self.index.version)
+        return orphans
 
     def forget_document(self, doc_id: int, text: str | None = None) -> int:
         """Hide every entry of a document from search and from later builds.

@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -203,6 +203,37 @@ def prune(root: Path, keep: int = 3) -> list[Path]:
     if removed:
         fsync_dir(root)
     return removed
+
+
+def newest_recorded(root: Path, recorded: Collection[int]) -> int | None:
+    """The newest version directory under ``root`` that the build records vouch for."""
+    kept = [v for v in list_versions(Path(root)) if v in set(recorded)]
+    return max(kept) if kept else None
+
+
+def remove_orphan_versions(root: Path, recorded: Collection[int]) -> list[int]:
+    """Delete version directories that no build record names; point CURRENT at the newest
+    recorded one (remove it when there is none). Returns the deleted versions, ascending.
+
+    An orphan is a build killed after writing its directory (or CURRENT) and before the
+    database recorded it: its request is still marked running and is built again. Only
+    the single builder may call this, holding the build lock (a build in progress has an
+    unrecorded directory too).
+    """
+    root = Path(root)
+    orphans = [v for v in list_versions(root) if v not in set(recorded)]
+    keep = newest_recorded(root, recorded)
+    cur = root / CURRENT
+    if keep is None:
+        if cur.exists():
+            cur.unlink()
+    elif current_version(root) != keep:
+        atomic_write_text(cur, _version_name(keep) + "\n")
+    for v in orphans:  # CURRENT no longer names them: a crash here leaves only orphans
+        shutil.rmtree(root / _version_name(v))
+    if root.exists():
+        fsync_dir(root)
+    return orphans
 
 
 # --- building ------------------------------------------------------------------------
@@ -536,6 +567,12 @@ class MemoryIndex:
             new = self._load(version)  # searches keep using the old state meanwhile
             self._state = new
             return True
+
+    def serve(self, version: int | None) -> None:
+        """Serve ``version`` (None: the fresh part alone), whatever CURRENT names."""
+        with self._writer:
+            self.datastore.reload()
+            self._state = self._load(version)
 
     # --- reading ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Each policy maps per-token scores to a boolean "store" mask:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -144,6 +145,50 @@ def token_scores(
 
 
 POLICY_NAMES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+
+
+# delta is a log-probability threshold: 0 already stores every token not predicted with
+# certainty, and below -100 (p < 4e-44) nothing is ever stored; outside that it is a typo.
+DELTA_RANGE = (-100.0, 0.0)
+# What each policy's ``params`` may hold (the keyword arguments make_policy takes for it):
+# name -> (type, lowest, highest). RandMem's seed feeds numpy's generator (< 2**63).
+POLICY_PARAMS: dict[str, dict[str, tuple[type, float, float]]] = {
+    "fullmem": {},
+    "randmem": {"rate": (float, 0.0, 1.0), "seed": (int, 0, 2**63 - 1)},
+    "monim": {},
+    "monim-amt": {},
+    "monim-kl": {},
+}
+# Policies whose decision uses delta; the others refuse one rather than ignore it.
+USES_DELTA = ("monim", "monim-amt", "monim-kl")
+
+
+def check_policy(name: str, delta: float | None, params: dict[str, object]) -> None:
+    """Raise ValueError, saying why, unless make_policy(name, delta=delta, **params) is
+    meaningful: a known name, a finite delta in DELTA_RANGE for a policy that uses one,
+    and only the params that policy takes, of the right type and in range."""
+    if name not in POLICY_PARAMS:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if delta is not None:
+        if name not in USES_DELTA:
+            raise ValueError(f"{name} takes no delta (only {', '.join(USES_DELTA)} do)")
+        lo, hi = DELTA_RANGE
+        if not (math.isfinite(delta) and lo <= delta <= hi):
+            raise ValueError(f"delta must be a finite number in [{lo:g}, {hi:g}], got {delta}")
+    allowed = POLICY_PARAMS[name]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "none"
+        raise ValueError(f"{name} takes no parameter {', '.join(unknown)} (it takes: {takes})")
+    for key, value in params.items():
+        kind, lo, hi = allowed[key]
+        ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+        if isinstance(value, bool) or not ok_type:
+            what = "a number" if kind is float else "an integer"
+            raise ValueError(f"{name} parameter {key} must be {what}, got {value!r}")
+        number = float(value)  # type: ignore[arg-type]
+        if not (math.isfinite(number) and lo <= number <= hi):
+            raise ValueError(f"{name} parameter {key} must be in [{lo:g}, {hi:g}], got {value}")
 
 
 def make_policy(

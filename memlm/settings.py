@@ -14,9 +14,13 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
+from memlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
 DEFAULT_SECRET = "change-me"
+# Outside development a token shorter than this is refused: 16 random URL-safe characters
+# are 96 bits, beyond guessing over HTTP (secrets.token_urlsafe(32) gives 43).
+MIN_TOKEN_CHARS = 16
 
 POLICIES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
 
@@ -115,6 +119,15 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _meaningful_delta(self) -> Settings:
+        # The same rule as PUT /admin/policy: a NaN delta would store nothing at all.
+        try:
+            check_policy(self.policy, self.delta, {})
+        except ValueError as e:
+            raise ValueError(f"MEMLM_POLICY / MEMLM_DELTA: {e}") from None
+        return self
+
+    @model_validator(mode="after")
     def _calibrator_bounds(self) -> Settings:
         if self.calibrator_max_tokens < self.calibrator_min_tokens:
             raise ValueError(
@@ -125,13 +138,29 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _no_default_secret_outside_development(self) -> Settings:
-        if self.env != "development":
-            for name in ("ingest_token", "admin_token"):
-                if getattr(self, name).get_secret_value() == DEFAULT_SECRET:
-                    raise ValueError(
-                        f"MEMLM_{name.upper()} is the development default; "
-                        f"set a real secret when MEMLM_ENV={self.env}"
-                    )
+        if self.env == "development":
+            return self
+        how = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        for name in ("ingest_token", "admin_token"):
+            value = getattr(self, name).get_secret_value()
+            var = f"MEMLM_{name.upper()}"
+            if value == DEFAULT_SECRET:
+                raise ValueError(
+                    f"{var} is the development default; set a real secret when "
+                    f"MEMLM_ENV={self.env} (e.g. {how})"
+                )
+            if not value.strip():
+                raise ValueError(f"{var} is empty; set a secret when MEMLM_ENV={self.env}")
+            if len(value) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"{var} has {len(value)} characters; use at least {MIN_TOKEN_CHARS} "
+                    f"when MEMLM_ENV={self.env} (e.g. {how})"
+                )
+        if self.ingest_token.get_secret_value() == self.admin_token.get_secret_value():
+            raise ValueError(
+                "MEMLM_INGEST_TOKEN equals MEMLM_ADMIN_TOKEN: whoever may ingest could also "
+                f"administer; set two different secrets when MEMLM_ENV={self.env}"
+            )
         return self
 
     @property

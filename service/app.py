@@ -17,13 +17,14 @@ from memlm.db.migrate import check_migrated
 from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
 from memlm.db.session import make_engine, make_sessionmaker
 from memlm.settings import Settings
-from service.errors import install_error_handlers
+from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
-from service.middleware import BodyGuard, RequestMetrics
+from service.middleware import BodyGuard, CatchAll, RequestMetrics
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
+from workers.builder import reconcile_index
 from workers.engine import EngineLike
 from workers.engine import open_engine as _open_engine
 
@@ -156,6 +157,10 @@ def create_app(
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, max(LOAD_RETRY_MAX_SECONDS, delay))
             state.load_error = None
+            # Serve only recorded builds; the worker (the writer) deletes the orphans. What
+            # is served now is the record: sync_index must not reload CURRENT over it.
+            await asyncio.to_thread(reconcile_index, eng, sessions, delete=False)
+            state.served_version = await asyncio.to_thread(_engine_version, eng)
             _attach(state, eng)
             if with_worker:
                 start_worker(eng)
@@ -195,6 +200,7 @@ def create_app(
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        responses=error_responses(500),  # any route, when something unexpected fails
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
@@ -202,4 +208,5 @@ def create_app(
         app.include_router(module.router)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    app.add_middleware(CatchAll)  # outermost of ours: a 500 is a normal response
     return app

@@ -4,6 +4,7 @@ the worker process between append and commit; the bundled SmolLM2 in one slow te
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from sqlalchemy import select
 
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
-from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument
+from memlm.index import current_version, list_versions
 from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
@@ -133,6 +135,54 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert gone["neighbours"] == [] and gone["lambda"] == 0.0
 
 
+def test_a_build_killed_before_its_record_is_not_served_after_restart(
+    tmp_path: Path, sqlite_url: str, tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The builder wrote v000002 and CURRENT, then died before recording the build."""
+    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama")
+    root = settings.datastore_dir / "index"
+    for env in _env(settings, tiny):
+        c = env.client
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(TEXT)]})
+        c.post("/admin/rebuild", headers=ADMIN)
+        assert env.drain() == 2  # the document, then build 1 (recorded)
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(OTHER)]})
+        assert env.drain() == 1
+        killed = c.post("/admin/rebuild", headers=ADMIN).json()
+        with env.worker.sessions.begin() as s:  # what run_queued_build does before building
+            claimed = BuildRepository(s).claim_queued()
+            assert claimed is not None and claimed.id == killed["id"]
+        with env.engine.building():
+            env.engine.rebuild()  # ... and the process dies here, before BuildRepository.finish
+        assert list_versions(root) == [1, 2] and current_version(root) == 2
+
+    # An API over a read-only engine (the worker is another process) serves the record.
+    engine = open_engine(settings, encoder=tiny, writer=False)
+    assert engine.index.version == 2  # what CURRENT names
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with caplog.at_level(logging.WARNING), TestClient(app) as c:
+        assert c.get("/readyz").json()["index_version"] == "1"
+        assert c.post("/predict", json={"context": "The"}).json()["index_version"] == "1"
+        assert list_versions(root) == [1, 2]  # a reader deletes nothing
+    assert "not serving index version 2: no build record names it" in caplog.messages
+
+    # The worker's start deletes the orphan, points CURRENT back, and builds the request again.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for env in _env(settings, tiny):
+            assert "deleted index version 2: no build record names it" in caplog.messages
+            assert list_versions(root) == [1] and current_version(root) == 1
+            assert env.client.get("/readyz").json()["index_version"] == "1"
+            build = env.client.get(f"/admin/builds/{killed['id']}", headers=ADMIN).json()
+            assert build["status"] == "queued"  # released by the worker's recovery
+            assert env.drain() == 1
+            env.sync()
+            build = env.client.get(f"/admin/builds/{killed['id']}", headers=ADMIN).json()
+            assert (build["status"], build["version"]) == ("done", "2")
+            assert env.client.get("/readyz").json()["index_version"] == "2"
+            assert list_versions(root) == [1, 2] and current_version(root) == 2
+
+
 def test_worker_process_killed_between_append_and_commit(
     tmp_path: Path, sqlite_url: str, tiny: Any, make_sessions: Any
 ) -> None:
@@ -152,8 +202,8 @@ def test_worker_process_killed_between_append_and_commit(
         "MEMLM_MODEL": "tiny-llama",
         "MEMLM_DATA_DIR": str(settings.data_dir),
         "MEMLM_DATABASE_URL": sqlite_url,
-        "MEMLM_INGEST_TOKEN": "i",
-        "MEMLM_ADMIN_TOKEN": "a",
+        "MEMLM_INGEST_TOKEN": "ingest-secret-for-tests",
+        "MEMLM_ADMIN_TOKEN": "admin-secret-for-tests",
         "MEMLM_THREADS": "1",
         "MEMLM_CALIBRATOR_SAMPLE": "1.0",  # both documents are recorded for the calibrator
     }

@@ -19,7 +19,9 @@ from memlm.index import (
     build_index,
     current_version,
     list_versions,
+    newest_recorded,
     prune,
+    remove_orphan_versions,
 )
 
 DIM = 16
@@ -227,6 +229,63 @@ def test_crash_during_build_keeps_old_version(ds: Datastore, tmp_path: Path, poi
     assert info.version == (3 if point in ("after_rename", "before_current") else 2)
     assert mem.reload() is True and mem.version == info.version
     np.testing.assert_array_equal(mem.search(q, 12)[1], brute_force(ds, q, 12)[1])
+
+
+@pytest.mark.parametrize("killed", ["after_current", "after_rename"])
+def test_orphan_versions_are_removed_and_current_points_back(
+    ds: Datastore, tmp_path: Path, killed: str
+) -> None:
+    """A build killed after writing v3 (and maybe CURRENT) before the database recorded it."""
+    root = tmp_path / "ix"
+    fill(ds, 300, 40)
+    for _ in range(2):
+        build_index(ds, root, FLAT, progress=False)  # v1, v2: recorded
+    fill(ds, 100, 41)
+    if killed == "after_current":
+        build_index(ds, root, FLAT, progress=False)
+    else:
+        with pytest.raises(SimulatedCrash):
+            build_index(ds, root, FLAT, progress=False, crash_at="after_rename")
+    assert list_versions(root) == [1, 2, 3]
+    assert current_version(root) == (3 if killed == "after_current" else 2)
+    recorded = {1, 2, 7}  # 7: recorded once, pruned since
+    assert newest_recorded(root, recorded) == 2
+    assert remove_orphan_versions(root, recorded) == [3]
+    assert list_versions(root) == [1, 2] and current_version(root) == 2
+    assert MemoryIndex(ds, root).version == 2
+    assert remove_orphan_versions(root, recorded) == []  # idempotent
+    assert build_index(ds, root, FLAT, progress=False).version == 3  # the rebuilt request
+
+
+def test_no_recorded_version_leaves_no_current(ds: Datastore, tmp_path: Path) -> None:
+    root = tmp_path / "ix"
+    fill(ds, 300, 42)
+    build_index(ds, root, FLAT, progress=False)
+    mem = MemoryIndex(ds, root)
+    assert mem.version == 1
+    assert remove_orphan_versions(root, set()) == [1]
+    assert list_versions(root) == [] and not (root / CURRENT).exists()
+    assert newest_recorded(root, set()) is None
+    mem.serve(None)  # what the engine does next: the fresh part alone
+    assert mem.version is None and mem.stats()["fresh_entries"] == 300
+    q = queries(4, 43)
+    np.testing.assert_array_equal(mem.search(q, 9)[1], brute_force(ds, q, 9)[1])
+
+
+def test_serve_a_version_other_than_current(ds: Datastore, tmp_path: Path) -> None:
+    root = tmp_path / "ix"
+    fill(ds, 200, 44)
+    build_index(ds, root, FLAT, progress=False)
+    fill(ds, 150, 45)
+    build_index(ds, root, FLAT, progress=False)
+    mem = MemoryIndex(ds, root)
+    assert mem.version == 2
+    mem.serve(1)
+    st = mem.stats()
+    assert (st["version"], st["fresh_entries"]) == (1, 150)
+    q = queries(5, 46)
+    np.testing.assert_array_equal(mem.search(q, 10)[1], brute_force(ds, q, 10)[1])
+    assert mem.reload() is True and mem.version == 2  # a later reload follows CURRENT again
 
 
 def test_truncate_after_build_replaces_stale_ids(ds: Datastore, tmp_path: Path) -> None:

@@ -55,3 +55,21 @@ def test_messages_mask_the_database_password(tmp_path: Path, pg_schema_url: str)
         f"{head_revision()}: run `memlm db upgrade`\n",
     )
     assert _run(tmp_path, url, "db", "upgrade") == (0, f"{masked}: at head\n")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker"]])
+def test_processes_refuse_weak_tokens_outside_development(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Fails fast, naming the variables, before it opens a database."""
+    env = {
+        "MEMLM_ENV": "production",
+        "MEMLM_DATA_DIR": str(tmp_path / "data"),
+        "MEMLM_INGEST_TOKEN": "same-secret-for-both-routes",
+        "MEMLM_ADMIN_TOKEN": "same-secret-for-both-routes",
+    }
+    result = CliRunner().invoke(app, command, env=env)
+    assert result.exit_code == 2
+    assert "invalid settings" in result.output
+    assert "MEMLM_INGEST_TOKEN equals MEMLM_ADMIN_TOKEN" in result.output
+    assert not (tmp_path / "data").exists()

@@ -281,3 +281,73 @@ def test_build_interrupted_by_a_crash_is_built_after_restart(setup: Setup) -> No
     with sessions() as s:
         [row] = BuildRepository(s).recent()
         assert (row.status, row.version) == ("done", "1")
+
+
+class ReconcilingEngine(FakeEngine):
+    """The fake plus the real engine's reconcile_index call, recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reconciled: list[tuple[set[int], bool]] = []
+
+    def reconcile_index(self, recorded: set[int], *, delete: bool = False) -> list[int]:
+        self.reconciled.append((set(recorded), delete))
+        return [9]
+
+
+def test_reconcile_reads_records_under_the_build_lock_and_deletes_only_when_free(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import threading
+
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild, reconcile_index
+
+    _, sessions, _, _ = setup
+    engine = ReconcilingEngine()
+    for key, version in (("a", "1"), ("b", None), ("c", "3")):
+        row, _ = enqueue_rebuild(sessions, key=key)
+        if version is not None:
+            with sessions.begin() as s:
+                BuildRepository(s).finish(row.id, version=version, entries=1, params={}, seconds=0)
+    with caplog.at_level(logging.WARNING):
+        assert reconcile_index(engine, sessions, delete=True) == [9]
+    assert engine.reconciled == [({1, 3}, True)]
+    assert "deleted index version 9: no build record names it" in caplog.messages
+
+    held, release = threading.Event(), threading.Event()
+
+    def builder() -> None:  # another builder holds the lock: its directory is no orphan
+        with engine.building():
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=builder)
+    t.start()
+    assert held.wait(10)
+    try:
+        assert reconcile_index(engine, sessions, delete=True) == [9]
+    finally:
+        release.set()
+        t.join()
+    assert engine.reconciled[-1] == ({1, 3}, False)
+    assert "not serving index version 9: no build record names it" in caplog.messages
+    assert reconcile_index(FakeEngine(), sessions, delete=True) == []  # nothing versioned
+
+
+def test_worker_start_reconciles_only_after_the_datastore_check(setup: Setup) -> None:
+    settings, sessions, _, _ = setup
+    engine = ReconcilingEngine()
+    w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+    try:
+        w.start(timeout=1)
+        assert engine.reconciled == [(set(), True)]
+        add(sessions, "a b c")
+        assert w.step() is not None
+        engine.entries.clear()  # the data directory lost what the database says it holds
+        with pytest.raises(DatastoreAhead):
+            w.recover()
+        assert engine.reconciled == [(set(), True)]  # refused before touching its files
+    finally:
+        w.lock.release()

@@ -38,6 +38,36 @@ def enqueue_rebuild(
         return builds.enqueue(key, requested_by)
 
 
+def reconcile_index(
+    engine: EngineLike, sessions: sessionmaker[Session], *, delete: bool
+) -> list[int]:
+    """Serve only recorded index versions; with ``delete`` (the worker at start) remove
+    the orphans of builds killed before their record. Returns the orphan versions.
+
+    Orphans are deleted, not adopted: their build request is still marked running, so
+    start-up queues it again and it is rebuilt from the datastore as it is now, this time
+    with its calibrator step and its record (an adopted directory may lack both).
+    """
+    reconcile = getattr(engine, "reconcile_index", None)
+    if reconcile is None:  # an engine without versioned directories (the fake)
+        return []
+    with contextlib.ExitStack() as held:
+        if delete:
+            try:  # the records are read under the lock: a build finishing now is kept
+                held.enter_context(engine.building(timeout=0))
+            except LockBusy:  # another process builds: its directory is not an orphan
+                delete = False
+        with sessions() as s:
+            recorded = BuildRepository(s).recorded_versions()
+        orphans: list[int] = reconcile(recorded, delete=delete)
+    for v in orphans:
+        if delete:
+            log.warning("deleted index version %d: no build record names it", v)
+        else:
+            log.warning("not serving index version %d: no build record names it", v)
+    return orphans
+
+
 def _params(info: Any) -> dict[str, Any]:
     params: Any = getattr(info, "params", None)
     if params is None:

@@ -45,7 +45,7 @@ from memlm.db.repositories import (
 )
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
-from workers.builder import run_queued_build
+from workers.builder import reconcile_index, run_queued_build
 from workers.engine import EngineLike, day_number
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ class IngestWorker:
                 f"datastore has {before} entries but committed documents own {end}: "
                 "the data directory does not match the database"
             )
+        # after the check above: a data directory that is not this database's keeps its files
+        reconcile_index(self.engine, self.sessions, delete=True)
         return Recovery(released, builds, before, end)
 
     def release_dead_claims(self, *, including_self: bool = False) -> int:

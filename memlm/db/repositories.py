@@ -333,6 +333,13 @@ class BuildRepository:
         )
         return self.s.scalars(q).first()
 
+    def recorded_versions(self) -> set[int]:
+        """The index versions of finished builds: the only ones that may be served."""
+        q = select(IndexBuild.version).where(
+            IndexBuild.status == "done", IndexBuild.version.is_not(None)
+        )
+        return {int(v) for v in self.s.scalars(q) if v is not None and v.isdigit()}
+
     def recent(self, n: int = 10) -> Sequence[IndexBuild]:
         return self.s.scalars(select(IndexBuild).order_by(IndexBuild.id.desc()).limit(n)).all()
 

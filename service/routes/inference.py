@@ -15,7 +15,7 @@ from memlm.db.repositories import DocumentRepository, PolicyRepository
 from memlm.knnlm import MemoryOptions
 from memlm.settings import Settings
 from service.deps import EngineDep, ReadAuth, State
-from service.errors import PayloadTooLarge
+from service.errors import PayloadTooLarge, error_responses
 from service.provenance import neighbours_out
 from service.schemas import (
     MemoryOptionsIn,
@@ -102,6 +102,7 @@ def _check_size(state: AppState, text: str, name: str) -> None:
     response_model=PredictResponse,
     response_model_by_alias=True,
     dependencies=[ReadAuth],
+    responses=error_responses(400, 401, 413, 422, 429, 503),
     summary="Next-token suggestions with the memory's neighbours",
 )
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
@@ -152,6 +153,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
     "/score",
     response_model=ScoreResponse,
     dependencies=[ReadAuth],
+    responses=error_responses(400, 401, 413, 422, 429, 503),
     summary="Per-token log-probabilities and what the policy would store",
 )
 async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreResponse:
