@@ -207,11 +207,15 @@ def test_delete_document_persists(tmp_path: Path) -> None:
         "live_entries": 4,
         "deleted_documents": 1,
         "bytes_on_disk": sum(f.stat().st_size for f in tmp_path.iterdir()),
+        "bytes_reclaimed": 0,
         "dim": DIM,
         "segments": 3,
+        "rows": 10,
     }
-    # Keys 10 x 8 x 2 + values 4 + doc ids 8 + positions 4 + days 4 bytes, plus the manifest.
-    assert ds.stats()["bytes_on_disk"] == 10 * (16 + 20) + (tmp_path / MANIFEST).stat().st_size
+    # Keys 10 x 8 x 2 + values 4 + doc ids 8 + positions 4 + days 4 bytes, the one
+    # tombstone (8 bytes), plus the manifest.
+    manifest = (tmp_path / MANIFEST).stat().st_size
+    assert ds.stats()["bytes_on_disk"] == 10 * (16 + 20) + 8 + manifest
 
 
 def test_bad_inputs_raise(tmp_path: Path) -> None:
