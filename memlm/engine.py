@@ -691,6 +691,8 @@ class Engine:
             report = self._calibrate_for(info.version)
             # After the calibrator of the new version is saved (or carried forward): older
             # versions that hold a forgotten document's keys go now, whatever their age.
+            if self.datastore.num_deleted_documents:  # (a failed training carried none)
+                self.calibration._carry_forward(self.data_dir / "index", info.version)
             prune(
                 self.data_dir / "index",
                 keep=3,
