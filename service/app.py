@@ -58,19 +58,24 @@ async def sync_index(state: AppState) -> None:
     if engine is None:
         return
 
-    def read_db() -> tuple[str | None, int, int, int]:
+    def read_db() -> tuple[str | None, int, int, int, list[int]]:
         with state.sessions() as s:
             active = BuildRepository(s).active()
             rows = StatsRepository(s).per_day()
-            pending = DocumentRepository(s).pending_count()
+            docs = DocumentRepository(s)
+            pending = docs.pending_count()
+            forgetting = docs.forgetting_ids()
         seen = sum(r.tokens_seen for r in rows)
         stored = sum(r.tokens_stored for r in rows)
-        return (None if active is None else active.version), seen, stored, pending
+        return (None if active is None else active.version), seen, stored, pending, forgetting
 
-    want, seen, stored, pending = await run_in_threadpool(read_db)
+    want, seen, stored, pending, forgetting = await run_in_threadpool(read_db)
     sync = getattr(engine, "sync", None)
     if sync is not None:  # the worker is another process: re-read what it wrote
         await state.executor.call(sync, wait=True)
+    hide = getattr(engine, "hide_documents", None)
+    if hide is not None and forgetting:  # forgets another API process accepted
+        await state.executor.call(partial(hide, forgetting), wait=True)
     if want is not None and want != state.served_version:
         await state.executor.call(engine.reload_index, wait=True)
     stats = await state.executor.call(engine.stats, wait=True)

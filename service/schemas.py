@@ -314,6 +314,11 @@ class StatsResponse(BaseModel):
     documents: dict[str, int]
     bytes_on_disk: int | None
     bytes_in_ram: int | None
+    bytes_reclaimed: int | None = Field(
+        None,
+        description="datastore bytes that compactions removed (forgotten documents' rows), "
+        "cumulative over the data directory's life",
+    )
     index: IndexOut
     policy: PolicyOut
     calibrator: CalibratorOut | None = None

@@ -284,7 +284,9 @@ class FakeEngine:
         self.served_version = self.built_version
         return changed
 
-    def forget_document(self, doc_id: int, text: str | None = None) -> int:
+    def forget_document(
+        self, doc_id: int, text: str | None = None, *, entries: range | None = None
+    ) -> int:
         if doc_id in self.deleted:
             return 0
         self.deleted.add(doc_id)

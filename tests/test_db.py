@@ -281,3 +281,52 @@ def test_aware_timestamps_keep_their_instant_and_naive_ones_are_refused(
         DocumentRepository(s).get(doc_id).processed_at = dt.datetime(2017, 2, 7, 12, 0)
         with pytest.raises(StatementError, match="naive datetime 2017-02-07T12:00:00 refused"):
             s.flush()
+
+
+@pytest.mark.parametrize("chars", [200, 20_000])  # in the page, and in overflow pages
+def test_forgotten_text_leaves_the_sqlite_files(
+    sqlite_url: str, make_sessions: MakeSessions, chars: int
+) -> None:
+    from pathlib import Path
+
+    from memlm.db.session import purge_wal
+
+    sessions = make_sessions(sqlite_url)
+    secret = ("Zorblatt " * chars)[:chars]
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        [a, b] = docs.add_many([new(secret, title="Hedge"), new("another text")])
+        docs.mark_done(
+            docs.get(a.id),
+            policy="monim",
+            tokens_seen=3,
+            tokens_stored=2,
+            entry_start=0,
+            entry_end=2,
+        )
+    db = Path(sqlite_url.removeprefix("sqlite:///"))
+    files = [db, db.with_name(db.name + "-wal")]
+
+    def blob() -> bytes:
+        return b"".join(f.read_bytes() for f in files if f.exists())
+
+    assert purge_wal(sessions.kw["bind"]) is True
+    assert b"Zorblatt" in blob()
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        assert docs.request_forget(a.id).status == "forgetting"
+        assert docs.forgetting_ids() == [a.id]
+        assert docs.mark_forgotten(a.id) is True
+        assert docs.request_forget(b.id).status == "forgotten"  # pending: the text goes now
+    assert purge_wal(sessions.kw["bind"]) is True
+    assert b"Zorblatt" not in blob() and b"another text" not in blob()
+    assert files[1].stat().st_size == 0
+    with sessions() as s:
+        row = DocumentRepository(s).get(a.id)
+        assert (row.status, row.text, row.title, row.content_hash) == (
+            "forgotten",
+            "",
+            "Hedge",
+            content_hash(secret),
+        )
+        assert DocumentRepository(s).forgetting_ids() == []

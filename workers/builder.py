@@ -8,10 +8,12 @@ import logging
 import time
 from typing import Any
 
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
+from memlm.db.session import purge_wal
 from memlm.locks import LockBusy
 from workers.engine import EngineLike
 
@@ -116,6 +118,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator
+    compaction = getattr(info, "compaction", None)
+    if compaction:  # what the compaction before the build removed
+        params["compaction"] = compaction
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,
@@ -125,4 +130,13 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
             seconds=seconds,
         )
     log.info("index version %s built: %d entries in %.1f s", info.version, info.entries, seconds)
+    purge_database_wal(sessions)
     return key
+
+
+def purge_database_wal(sessions: sessionmaker[Session]) -> None:
+    """SQLite: checkpoint and truncate the WAL, whose old pages may still hold the text of
+    documents forgotten since (``memlm.db.session.purge_wal``). Part of every build."""
+    bind = sessions.kw.get("bind")
+    if isinstance(bind, Engine) and bind.dialect.name == "sqlite" and not purge_wal(bind):
+        log.warning("a reader kept the SQLite WAL from being truncated; the next build retries")

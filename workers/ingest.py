@@ -178,12 +178,13 @@ class IngestWorker:
         """One unit of work: a queued build first, else one document. None when idle."""
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at must be one of {CRASH_POINTS}")
-        built = run_queued_build(self.engine, self.sessions)
-        if built is not None:
-            return built
+        # Forgets first: a build then compacts their entries away and leaves them out.
         forgotten = self.apply_forget()
         if forgotten is not None:
             return forgotten
+        built = run_queued_build(self.engine, self.sessions)
+        if built is not None:
+            return built
         done = self.process_next(crash_at=crash_at)
         if done is None:  # idle: a good moment to look for documents a dead worker held
             self.release_dead_claims()
@@ -197,9 +198,13 @@ class IngestWorker:
                 return None
             doc_id, day, policy, stored = doc.id, doc.published_at, doc.policy, doc.tokens_stored
             text = doc.text
+            span = None
+            if doc.entry_start is not None and doc.entry_end is not None:
+                span = range(doc.entry_start, doc.entry_end)
         # Idempotent: a retry after a crash here hides nothing new, takes nothing out of the
-        # lexical statistics twice, and counts once below.
-        hidden = self.engine.forget_document(doc_id, text)
+        # lexical statistics twice, and counts once below. The text leaves the database in
+        # the same transaction as the counters (mark_forgotten).
+        hidden = self.engine.forget_document(doc_id, text, entries=span)
         if hidden not in (0, stored or 0):
             log.warning("document %d: %d entries hidden, %s recorded", doc_id, hidden, stored)
         with self.sessions.begin() as s:

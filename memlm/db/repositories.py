@@ -196,18 +196,31 @@ class DocumentRepository:
         if doc.status in ("forgetting", "forgotten"):
             raise Conflict(f"document {doc_id} is already {doc.status}")
         doc.status = "forgetting" if doc.status == "done" else "forgotten"
+        if doc.status == "forgotten":  # nothing to take out of the memory: the text goes now
+            doc.text = ""
         return doc
+
+    def forgetting_ids(self) -> list[int]:
+        """Documents whose forget is requested and not yet applied (to hide at once)."""
+        q = select(Document.id).where(Document.status == "forgetting").order_by(Document.id)
+        return [int(i) for i in self.s.scalars(q)]
 
     def next_forget(self) -> Document | None:
         q = select(Document).where(Document.status == "forgetting").order_by(Document.id).limit(1)
         return self.s.scalars(q).first()
 
     def mark_forgotten(self, doc_id: int) -> bool:
-        """``forgetting`` -> ``forgotten``; False when another worker got there first."""
+        """``forgetting`` -> ``forgotten``; False when another worker got there first.
+
+        The text leaves the row (set to ""): the memory no longer needs it, and a
+        forgotten document keeps only its metadata (title, source, external id, dates,
+        counts, entry range) and its content hash, so the same text sent again is
+        answered as a duplicate of the forgotten document rather than memorised anew.
+        """
         res = self.s.execute(
             update(Document)
             .where(Document.id == doc_id, Document.status == "forgetting")
-            .values(status="forgotten")
+            .values(status="forgotten", text="")
         )
         return int(res.rowcount) == 1  # type: ignore[attr-defined]
 

@@ -101,6 +101,11 @@ def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
     responses=error_responses(400, 404, 409, 413, 422),
     summary="Forget a document: its entries leave the memory",
 )
-def forget(doc_id: RowId, session: DbSession) -> DocumentOut:
-    """A done document becomes ``forgetting`` until the worker hides its entries."""
-    return document_out(DocumentRepository(session).request_forget(doc_id))
+def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
+    """A done document becomes ``forgetting`` until the worker deletes its entries; this
+    process stops serving them at once (others at their next index sync)."""
+    doc = DocumentRepository(session).request_forget(doc_id)
+    hide = getattr(state.engine, "hide_documents", None)
+    if hide is not None and doc.status == "forgetting":
+        hide([doc_id])
+    return document_out(doc)
