@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +272,7 @@ class Engine:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
+        scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
         return PreparedDocument(doc_id, day, token_ids, out, pol.decide(scores))
 
     def store_document(

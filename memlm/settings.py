@@ -8,7 +8,7 @@ the environment elsewhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,7 +41,11 @@ class Settings(BaseSettings):
     # The policy's threshold; None takes the policy's own default (-1.5 for MoNIM as in
     # DESIGN.md; MoNIM(KL) works on another scale and has its own).
     delta: float | None = None
-    randmem_rate: float = Field(default=0.3, ge=0.0, le=1.0)
+    # RandMem's share of tokens stored, or "monim": the MemRate MoNIM measured on this
+    # stream (cumulative over the days its variants ran), as in MoNIM's RandMem baseline.
+    randmem_rate: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["monim"] = 0.3
+    # Seed of RandMem's streams: a document's mask depends only on (seed, document id).
+    randmem_seed: int = Field(default=0, ge=0)
     # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)

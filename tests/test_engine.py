@@ -195,3 +195,21 @@ def test_long_term_memory_reaches_before_the_window(tmp_path, encoder):
     np.testing.assert_allclose(keys_l[:8].numpy(), before.keys[-8:], rtol=1e-5)
     keys_s, values_s = eng._context_memory(ids, keys[0, :7], ids[-8:], MemoryOptions(local=True))
     assert values_s.tolist() == ids[-7:] and keys_s.shape == (7, eng.encoder.dim)
+
+
+def test_randmem_masks_are_per_document_and_repeat_on_reprocessing(engine):
+    from memlm.policy import RandMem
+
+    pol = RandMem(0.3, seed=11)
+    first = engine.prepare_document(21, TEXT, 19000, policy=pol)
+    other = engine.prepare_document(22, TEXT, 19000, policy=pol)
+    again = engine.prepare_document(21, TEXT, 19000, policy=RandMem(0.3, seed=11))
+    n = len(first.store)
+    # same text, different documents: different masks; the same document: the same one
+    assert not np.array_equal(first.store, other.store)
+    assert np.array_equal(first.store, again.store)
+    assert np.array_equal(first.store, np.random.default_rng([11, 21]).random(n) < 0.3)
+    r = engine.store_document(first)
+    docs, pos, _ = engine.datastore.provenance(np.arange(r.end_entry))
+    assert r.tokens_stored == int(first.store.sum()) and set(docs.tolist()) == {21}
+    assert pos.tolist() == (first.outputs.positions[first.store]).tolist()

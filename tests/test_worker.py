@@ -281,3 +281,45 @@ def test_build_interrupted_by_a_crash_is_built_after_restart(setup: Setup) -> No
     with sessions() as s:
         [row] = BuildRepository(s).recent()
         assert (row.status, row.version) == ("done", "1")
+
+
+def test_randmem_takes_rate_and_seed_from_the_settings_or_monims_measured_rate(
+    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
+) -> None:
+    import datetime as dt
+
+    from memlm.db.repositories import PolicyRepository, StatsRepository
+    from memlm.policy import RandMem
+    from workers.engine import policy_factory
+
+    sessions = make_sessions(sqlite_url)
+
+    def active(**over: object) -> RandMem:
+        settings = make_settings(tmp_path, sqlite_url, **over)
+        w = IngestWorker(FakeEngine(), sessions, settings, policy_factory=policy_factory)
+        with sessions.begin() as s:
+            name, pol = w._policy(s)
+        assert name == "randmem" and isinstance(pol, RandMem)
+        return pol
+
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {})
+    pol = active(randmem_rate=0.2, randmem_seed=3)
+    assert (pol.rate, pol.seed) == (0.2, 3)
+    assert active().rate == 0.3  # MEMLM_RANDMEM_RATE's default, not make_policy's 0.5
+    # MoNIM's measured rate: nothing measured yet -> the default rate
+    assert active(randmem_rate="monim").rate == 0.3
+    day = dt.date(2017, 2, 7)
+    with sessions.begin() as s:
+        stats = StatsRepository(s)
+        stats.add_document(day, "monim", 1000, 250)
+        stats.add_document(day, "monim-amt", 1000, 150)
+        stats.add_document(day, "fullmem", 1000, 1000)  # not MoNIM: left out
+    assert active(randmem_rate="monim").rate == 0.2  # (250 + 150) / 2000
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {"rate": 0.1, "seed": 9})
+    pol = active(randmem_rate=0.2, randmem_seed=3)
+    assert (pol.rate, pol.seed) == (0.1, 9)  # the policy row's own params win
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {"rate": "monim"})
+    assert active().rate == 0.2

@@ -46,7 +46,7 @@ from memlm.db.repositories import (
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
 from workers.builder import run_queued_build
-from workers.engine import EngineLike, day_number
+from workers.engine import EngineLike, day_number, policy_params
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +210,10 @@ class IngestWorker:
         row = PolicyRepository(s).get(
             default_policy=self.settings.policy, default_delta=self.settings.delta
         )
-        arg = (
-            self.policy_factory(row.policy, row.delta, row.params) if self.policy_factory else None
-        )
-        return row.policy, arg
+        if self.policy_factory is None:
+            return row.policy, None
+        params = policy_params(row.policy, row.params, self.settings, s)
+        return row.policy, self.policy_factory(row.policy, row.delta, params)
 
     def process_next(self, *, crash_at: str | None = None) -> Processed | None:
         with self.sessions.begin() as s:

@@ -249,6 +249,14 @@ class StatsRepository:
     def add_forgotten(self, day: dt.date, policy: str, entries: int) -> None:
         self._row(day, policy).entries_forgotten += entries
 
+    def memrate(self, policies: Sequence[str]) -> float | None:
+        """Cumulative MemRate (stored / seen) of these policies; None when they saw nothing."""
+        q = select(func.sum(DayStat.tokens_stored), func.sum(DayStat.tokens_seen)).where(
+            DayStat.policy.in_(list(policies))
+        )
+        stored, seen = self.s.execute(q).one()
+        return int(stored) / int(seen) if seen else None
+
     def per_day(self) -> Sequence[DayStat]:
         return self.s.scalars(select(DayStat).order_by(DayStat.day, DayStat.policy)).all()
 
