@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
     rebuild_cron: str = "0 3 * * *"
     worker_poll_seconds: float = Field(default=2.0, gt=0)
+    # A document whose preparation fails for a passing reason (a busy database, an
+    # out-of-memory batch...) is tried again, at most this many tries in all, waiting
+    # backoff * 2^(failures - 1) seconds (capped) between tries; bad text fails at once.
+    ingest_max_attempts: int = Field(default=5, ge=1)
+    ingest_retry_backoff_seconds: float = Field(default=5.0, ge=0)
+    ingest_retry_backoff_max_seconds: float = Field(default=300.0, ge=0)
     # How often the API checks for a new index version and new datastore entries.
     index_poll_seconds: float = Field(default=5.0, gt=0)
     # Run the ingest worker as a thread of the API process, sharing its engine (one model

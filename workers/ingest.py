@@ -24,10 +24,12 @@ when the process dies, so another worker can tell that a document left in
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -92,6 +94,28 @@ def worker_lock_path(settings: Settings, name: str) -> Path:
     """The file a live worker of this name holds locked (``host:pid`` -> ``host_pid.lock``)."""
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
     return settings.workers_dir / f"{safe}.lock"
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether a try at a document failed because of the document itself (bad text).
+
+    Only the engine's own verdict on the text (``EngineInputError``) and text that cannot
+    be decoded are permanent. Everything else is retried a bounded number of times: the
+    passing failures a worker meets (a busy or locked database, a dropped connection, an
+    out-of-memory batch on the CPU or the GPU, EAGAIN, a lock held elsewhere, a race
+    between threads) raise many types, some of them ``ValueError`` or ``RuntimeError``;
+    failing a document for good costs an operator's retry, another try costs seconds.
+    """
+    if isinstance(exc, UnicodeError):
+        return True
+    engine = sys.modules.get("memlm.engine")  # loaded whenever the real engine raised
+    return engine is not None and isinstance(exc, engine.EngineInputError)
+
+
+def retry_delay(settings: Settings, failures: int) -> float:
+    """Seconds before the next try after ``failures`` failed ones: exponential, capped."""
+    base = settings.ingest_retry_backoff_seconds
+    return float(min(base * 2.0 ** (failures - 1), settings.ingest_retry_backoff_max_seconds))
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -248,24 +272,49 @@ class IngestWorker:
                         entry_end=int(result.end_entry),
                     )
                     StatsRepository(s).add_document(day, policy_name, seen, stored)
-            except Exception:
-                # The commit failed: the entries must not outlive it. Any worker's next
-                # append also cuts them; this handles a live database error now.
-                log.exception("commit of document %d failed; rolling the datastore back", doc_id)
-                self._cut_uncommitted()
-                with self.sessions.begin() as s:
-                    DocumentRepository(s).release(doc_id)
-                raise
+            except Exception as exc:
+                # The commit failed: the entries must not outlive it (_failed cuts them
+                # now; any worker's next append would too), and the document is retried.
+                log.warning("commit of document %d failed; rolling the datastore back", doc_id)
+                return self._failed(doc_id, exc)
         self.done += 1
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)
 
     def _failed(self, doc_id: int, exc: Exception) -> Processed:
-        log.error("document %d failed", doc_id, exc_info=exc)
+        """Record a failed try: failed for good (bad text, or no tries left), else retried.
+
+        The tries are counted in the database, so a restart does not reset them. When this
+        bookkeeping itself fails (the database is down), the exception leaves the step and
+        ``run`` puts the claim back in the queue.
+        """
         with self.engine.exclusive():
             self._cut_uncommitted()
+        reason = failure_reason(exc)
+        limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:
-            DocumentRepository(s).mark_failed(doc_id, failure_reason(exc))
-        return Processed(doc_id, "failed")
+            docs = DocumentRepository(s)
+            failures = (docs.get(doc_id).attempts or 0) + 1
+            if is_permanent(exc) or failures >= limit:
+                docs.mark_failed(doc_id, reason)
+                status = "failed"
+            else:
+                delay = retry_delay(self.settings, failures)
+                docs.retry_later(
+                    doc_id, reason, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
+                )
+                status = "retrying"
+        if status == "failed":
+            log.error("document %d failed (try %d of %d)", doc_id, failures, limit, exc_info=exc)
+        else:
+            log.warning(
+                "document %d: try %d of %d failed; retrying in %.1f s",
+                doc_id,
+                failures,
+                limit,
+                delay,
+                exc_info=exc,
+            )
+        return Processed(doc_id, status)
 
     def _cut_uncommitted(self) -> tuple[int, int]:
         """Cut entries no committed document owns (call inside ``engine.exclusive()``).
@@ -303,6 +352,7 @@ class IngestWorker:
                     raise
                 except Exception:
                     log.exception("worker step failed; retrying after a pause")
+                    self._release_own_claim()
                     stop.wait(self.settings.worker_poll_seconds)
                     continue
                 if out is None:
@@ -311,6 +361,19 @@ class IngestWorker:
                     self._log_progress(out)
         finally:
             self.lock.release()
+
+    def _release_own_claim(self) -> None:
+        """After a step that failed outside the per-document bookkeeping (the database was
+        unreachable even for recording the failure): put this worker's claim back in the
+        queue, so that the document does not wait for this worker's restart."""
+        try:
+            with self.sessions.begin() as s:
+                released = DocumentRepository(s).release_claims([self.name])
+        except Exception:
+            log.exception("could not put the claim of worker %s back; its restart will", self.name)
+            return
+        if released:
+            log.warning("put %d document(s) of this worker back in the queue", released)
 
     def _log_progress(self, p: Processed) -> None:
         with self.sessions() as s:
@@ -330,4 +393,4 @@ class IngestWorker:
                 left,
             )
         else:
-            log.info("document %d failed; %d pending", p.document_id, left)
+            log.info("document %d %s; %d pending", p.document_id, p.status, left)

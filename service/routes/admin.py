@@ -1,4 +1,4 @@
-"""Admin routes (admin bearer token): stats, rebuild, policy, forget."""
+"""Admin routes (admin bearer token): stats, rebuild, policy, forget, retry."""
 
 from __future__ import annotations
 
@@ -84,3 +84,15 @@ def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
 def forget(doc_id: int, session: DbSession) -> DocumentOut:
     """A done document becomes ``forgetting`` until the worker hides its entries."""
     return document_out(DocumentRepository(session).request_forget(doc_id))
+
+
+@router.post(
+    "/documents/{doc_id}/retry",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=DocumentOut,
+    summary="Queue a failed document again",
+)
+def retry(doc_id: int, session: DbSession) -> DocumentOut:
+    """A failed document goes back to ``pending`` with its tries counted from zero;
+    404 when it does not exist, 409 when it is not failed."""
+    return document_out(DocumentRepository(session).requeue_failed(doc_id))
