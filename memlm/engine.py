@@ -684,7 +684,10 @@ class Engine:
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
             )
-            self.calibration.snapshot(self.data_dir / "index", info.version)
+            # ingest goes on during a build (workers.builder): the statistics are saved
+            # between two documents, never half-way through one's update
+            with self.exclusive(), self._write_lock:
+                self.calibration.snapshot(self.data_dir / "index", info.version)
             prune(self.data_dir / "index", keep=3)
             report = self._calibrate_for(info.version)
         self.index.reload()

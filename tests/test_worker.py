@@ -472,3 +472,48 @@ def test_a_claim_goes_back_to_the_queue_when_even_the_failure_cannot_be_recorded
     # and the second try memorised it
     assert engine.processed == [doc_id] and flaky.calls == 2
     assert _doc_state(sessions, doc_id) == ("done", 0, None)
+
+
+def test_ingest_goes_on_while_the_builder_thread_builds(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild
+
+    settings, sessions, engine, new_worker = setup
+    started, finish = threading.Event(), threading.Event()
+    real_rebuild = engine.rebuild
+    during: list[int] = []
+
+    def slow_rebuild(**kw: object) -> object:
+        started.set()
+        assert finish.wait(20)  # the build lasts until the documents below are memorised
+        during.extend(engine.processed)
+        return real_rebuild(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "rebuild", slow_rebuild)
+    enqueue_rebuild(sessions, key="nightly:2017-02-07", requested_by="scheduler")
+    stop = threading.Event()
+    t = threading.Thread(target=new_worker().run, args=(stop,))
+    t.start()
+    try:
+        assert started.wait(10)
+        ids = add(sessions, "a b c", "d e f", "g h")
+        deadline = time.monotonic() + 10
+        while engine.processed != ids and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.processed == ids  # memorised while the build was running
+        finish.set()
+        deadline = time.monotonic() + 10
+        while engine.built_version != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        finish.set()
+        stop.set()
+        t.join(10)
+    assert during == ids and engine.built_version == 1 and not t.is_alive()
+    with sessions() as s:
+        [row] = BuildRepository(s).recent()
+        assert (row.status, row.version, row.entries) == ("done", "1", 5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 import time
 from typing import Any
 
@@ -96,3 +97,39 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
         )
     log.info("index version %s built: %d entries in %.1f s", info.version, info.entries, seconds)
     return key
+
+
+def run_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], stop: threading.Event, poll: float
+) -> None:
+    """Build queued requests until ``stop`` is set; polls every ``poll`` seconds when idle.
+
+    Runs beside the ingest loop (a thread of ``memlm worker`` and of the API's embedded
+    worker), so documents keep flowing during a build: the build works on a snapshot of
+    the datastore, and entries appended meanwhile join the fresh exact index that the new
+    version is served with.
+    """
+    while not stop.is_set():
+        try:
+            built = run_queued_build(engine, sessions)
+        except Exception:
+            log.exception("builder step failed; retrying after a pause")
+            built = None
+        if built is None:
+            stop.wait(poll)
+
+
+def start_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], poll: float
+) -> tuple[threading.Thread, threading.Event]:
+    """Start :func:`run_builder` in a daemon thread; set the event to stop it.
+
+    Daemon: a process that exits mid-build leaves the request ``building`` with its lock
+    dropped, and the next start queues it again (builds write temp + ``os.replace``).
+    """
+    stop = threading.Event()
+    t = threading.Thread(
+        target=run_builder, args=(engine, sessions, stop, poll), name="memlm-builder", daemon=True
+    )
+    t.start()
+    return t, stop

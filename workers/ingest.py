@@ -47,7 +47,7 @@ from memlm.db.repositories import (
 )
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
-from workers.builder import run_queued_build
+from workers.builder import run_queued_build, start_builder
 from workers.engine import EngineLike, day_number, policy_params
 
 log = logging.getLogger(__name__)
@@ -196,13 +196,17 @@ class IngestWorker:
 
     # --- work ------------------------------------------------------------------------------
 
-    def step(self, *, crash_at: str | None = None) -> Processed | str | None:
-        """One unit of work: a queued build first, else one document. None when idle."""
+    def step(self, *, crash_at: str | None = None, build: bool = True) -> Processed | str | None:
+        """One unit of work: a queued build first (``build``), else one document.
+
+        None when idle. ``run`` passes ``build=False``: its builder thread builds.
+        """
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at must be one of {CRASH_POINTS}")
-        built = run_queued_build(self.engine, self.sessions)
-        if built is not None:
-            return built
+        if build:
+            built = run_queued_build(self.engine, self.sessions)
+            if built is not None:
+                return built
         forgotten = self.apply_forget()
         if forgotten is not None:
             return forgotten
@@ -332,7 +336,11 @@ class IngestWorker:
         return before, end
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
-        """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle."""
+        """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle.
+
+        Index builds run in a builder thread beside this loop (``workers.builder``), so
+        ingest goes on during a build.
+        """
         while not self.lock.held:  # only a live worker of the same name holds it
             try:
                 self.lock.acquire(timeout=self.settings.worker_poll_seconds)
@@ -342,10 +350,13 @@ class IngestWorker:
                     return
         recovery = self.start()
         log.info("worker %s started: %s", self.name, recovery)
+        builder, stop_builder = start_builder(
+            self.engine, self.sessions, self.settings.worker_poll_seconds
+        )
         try:
             while not stop.is_set():
                 try:
-                    out = self.step(crash_at=crash_at)
+                    out = self.step(crash_at=crash_at, build=False)
                 except SimulatedCrash:
                     # A real kill, so the test sees exactly what a crash leaves behind.
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -360,6 +371,8 @@ class IngestWorker:
                 elif isinstance(out, Processed):
                     self._log_progress(out)
         finally:
+            stop_builder.set()
+            builder.join(timeout=self.settings.worker_poll_seconds)  # a build may take long
             self.lock.release()
 
     def _release_own_claim(self) -> None:
