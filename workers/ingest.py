@@ -125,7 +125,8 @@ def failure_reason(exc: BaseException) -> str:
 
 
 class IngestWorker:
-    """Memorises pending documents one at a time and runs queued index builds."""
+    """Memorises pending documents one at a time; queued index builds run in ``step``
+    (tests, one-shot use) or, under ``run``, in a builder thread beside the loop."""
 
     def __init__(
         self,
