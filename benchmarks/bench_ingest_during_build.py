@@ -8,8 +8,9 @@ worker's start-up keeps them) so that a build takes a while. Side by side, in on
 - ``build thread``: the same number of documents memorised while the builder thread
   (``workers.builder.start_builder``, what ``memlm worker`` and the API's worker run)
   builds the index; timed from the build's start to whichever ends last;
-- ``inline`` (the old loop): the build in the ingest step, so no document moves until it
-  ends; reported as the tokens memorised during the build (none) and the build time.
+- ``inline`` (the old loop, ``--inline``): the build in the ingest step, so no document
+  moves until it ends; reported as the tokens memorised during the build (none, by
+  construction) and the time of a second build.
 
 ``alone`` runs before and after ``build thread`` so a change in the machine's load shows.
 Tokens/s counts tokens seen (every scored token), as the worker's log does.
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--docs", type=int, default=24, help="news articles per measured phase")
     ap.add_argument("--during", type=int, default=200, help="articles queued for the build")
+    ap.add_argument("--inline", action="store_true", help="also time the old inline build")
     ap.add_argument("--prefill", type=int, default=200_000, help="random entries before")
     args = ap.parse_args()
 
@@ -132,7 +134,10 @@ def main() -> None:
     texts = [d.text for d in load_news()][: sum(sizes)]
     ends = np.cumsum([0, *sizes])
     batches = [texts[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)]
-    print(f"model {args.model} (dim {dim}), {n} prefilled entries, load {load_average()}")
+    print(
+        f"model {args.model} (dim {dim}), {n} prefilled entries, load {load_average()}",
+        flush=True,
+    )
 
     rows = []
     queue(sessions, batches[0], "warm")
@@ -142,6 +147,7 @@ def main() -> None:
         queue(sessions, batch, name)
         docs, tokens, secs = ingest(worker, len(batch))
         rows.append((name, docs, tokens, secs, None))
+        print(f"{name}: {docs} documents, {tokens} tokens, {secs:.1f} s", flush=True)
 
     phase_alone("alone", batches[1])
 
@@ -164,14 +170,15 @@ def main() -> None:
         b = BuildRepository(s).get(build_id)
         build_secs, status = float(b.seconds or 0.0), b.status
     rows.append(("build thread", docs, tokens, secs, build_secs))
+    print(f"during the build ({build_secs:.1f} s): {docs} documents, {tokens} tokens", flush=True)
     phase_alone("alone again", batches[3])
 
-    # the old loop: the build is one step of the ingest loop
-    enqueue_rebuild(sessions, key="bench-inline", requested_by="bench")
-    t0 = time.perf_counter()
-    run_queued_build(engine, sessions)
-    inline_secs = time.perf_counter() - t0
-    rows.append(("inline (old)", 0, 0, inline_secs, inline_secs))
+    if args.inline:  # the old loop: the build is one step of the ingest loop
+        enqueue_rebuild(sessions, key="bench-inline", requested_by="bench")
+        t0 = time.perf_counter()
+        run_queued_build(engine, sessions)
+        inline_secs = time.perf_counter() - t0
+        rows.append(("inline (old)", 0, 0, inline_secs, inline_secs))
 
     print(f"build {status}")
     print("| phase | documents | tokens | seconds | tokens/s | build s |")
