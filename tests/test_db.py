@@ -232,6 +232,7 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
         row = BuildRepository(s).get(build.id)
         policy = PolicyRepository(s).get(default_policy="x", default_delta=None)
         got = {**_timestamps(doc), **_timestamps(row), **_timestamps(policy)}
+    assert got.pop("retry_at") is None  # a done document waits for no retry
     assert sorted(got) == [
         "claimed_at",
         "created_at",
@@ -242,6 +243,11 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
         "updated_at",
     ]
     _assert_utc_between(got, t0, t1)
+    with sessions.begin() as s:
+        [retried] = (a.id for a in DocumentRepository(s).add_many([new("tz retry")]))
+        DocumentRepository(s).retry_later(retried, "busy", t1)
+    with sessions() as s:
+        assert DocumentRepository(s).get(retried).retry_at == t1
     with sessions.begin() as s:
         PolicyRepository(s).set("fullmem", None, {})  # a Python-side value this time
     with sessions() as s:
