@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +277,7 @@ class Engine:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
+        scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
         return PreparedDocument(doc_id, day, token_ids, out, pol.decide(scores))
 
     def store_document(
@@ -689,7 +690,10 @@ class Engine:
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
             )
-            self.calibration.snapshot(self.data_dir / "index", info.version)
+            # ingest goes on during a build (workers.builder): the statistics are saved
+            # between two documents, never half-way through one's update
+            with self.exclusive(), self._write_lock:
+                self.calibration.snapshot(self.data_dir / "index", info.version)
             report = self._calibrate_for(info.version)
             # After the calibrator of the new version is saved (or carried forward): older
             # versions that hold a forgotten document's keys go now, whatever their age.

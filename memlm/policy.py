@@ -18,6 +18,7 @@ Each policy maps per-token scores to a boolean "store" mask:
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,6 +44,7 @@ class TokenScores:
     target_logprob: np.ndarray  # (n,) log p(x_t) under the augmented model
     max_logprob: np.ndarray  # (n,) max_y log p(y) under the augmented model
     key_ce: np.ndarray  # (n,) -log softmax(E key)[x_t] (NaN when not computed)
+    doc_id: int | None = None  # the stream document scored (None: a text outside the stream)
 
     def __len__(self) -> int:
         return int(self.target_logprob.shape[0])
@@ -67,7 +69,22 @@ class FullMem:
 
 
 class RandMem:
-    """Stores each token with probability ``rate``; a seeded stream, so runs repeat."""
+    """Stores each token with probability ``rate``, from seeded random streams.
+
+    A stream document's mask comes from its own generator, ``default_rng([seed, doc_id])``
+    (a SeedSequence over the stream's seed and the document's id), not from one generator
+    advanced from document to document. Both give every document a different mask at the
+    configured rate, but an advancing generator makes a document's mask depend on how many
+    tokens were drawn before it: a document processed again after a crash (its first draws
+    were spent), or by one of several workers in whatever order they claim, would get
+    another mask than one uninterrupted worker gives it. Keyed by (seed, document id), the
+    mask is the same whoever processes the document, whenever, and however often; distinct
+    ids give independent streams (SeedSequence mixes the pair), so the stored share over
+    many documents is ``rate`` as for one stream.
+
+    Scores without a document id (``Engine.score`` of a free text, the evaluation harness)
+    draw from one generator seeded once and advanced call after call, under a lock.
+    """
 
     needs_augmented = False
     needs_key_ce = False
@@ -75,11 +92,20 @@ class RandMem:
     def __init__(self, rate: float, seed: int = 0, name: str = "randmem"):
         if not 0.0 <= rate <= 1.0:
             raise ValueError("rate must be in [0, 1]")
+        if seed < 0:
+            raise ValueError("seed must be >= 0")
         self.name, self.rate, self.seed = name, rate, seed
         self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()  # numpy generators are not thread-safe
 
     def decide(self, scores: TokenScores) -> np.ndarray:
-        return self._rng.random(len(scores)) < self.rate
+        if scores.doc_id is not None:
+            if scores.doc_id < 0:
+                raise ValueError("RandMem needs a document id >= 0")
+            rng = np.random.default_rng([self.seed, scores.doc_id])
+            return rng.random(len(scores)) < self.rate
+        with self._lock:
+            return self._rng.random(len(scores)) < self.rate
 
 
 @dataclass

@@ -8,7 +8,7 @@ the environment elsewhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,7 +45,11 @@ class Settings(BaseSettings):
     # The policy's threshold; None takes the policy's own default (-1.5 for MoNIM as in
     # DESIGN.md; MoNIM(KL) works on another scale and has its own).
     delta: float | None = None
-    randmem_rate: float = Field(default=0.3, ge=0.0, le=1.0)
+    # RandMem's share of tokens stored, or "monim": the MemRate MoNIM measured on this
+    # stream (cumulative over the days its variants ran), as in MoNIM's RandMem baseline.
+    randmem_rate: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["monim"] = 0.3
+    # Seed of RandMem's streams: a document's mask depends only on (seed, document id).
+    randmem_seed: int = Field(default=0, ge=0)
     # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)
@@ -76,6 +80,12 @@ class Settings(BaseSettings):
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
     rebuild_cron: str = "0 3 * * *"
     worker_poll_seconds: float = Field(default=2.0, gt=0)
+    # A document whose preparation fails for a passing reason (a busy database, an
+    # out-of-memory batch...) is tried again, at most this many tries in all, waiting
+    # backoff * 2^(failures - 1) seconds (capped) between tries; bad text fails at once.
+    ingest_max_attempts: int = Field(default=5, ge=1)
+    ingest_retry_backoff_seconds: float = Field(default=5.0, ge=0)
+    ingest_retry_backoff_max_seconds: float = Field(default=300.0, ge=0)
     # How often the API checks for a new index version and new datastore entries.
     index_poll_seconds: float = Field(default=5.0, gt=0)
     # Run the ingest worker as a thread of the API process, sharing its engine (one model

@@ -154,6 +154,10 @@ class DocumentOut(BaseModel):
     tokens_stored: int | None
     entry_start: int | None
     entry_end: int | None
+    attempts: int = Field(0, description="failed tries so far (a passing error is retried)")
+    retry_at: dt.datetime | None = Field(
+        None, description="a pending document retried after a failure waits until then"
+    )
 
 
 # --- predict and score -------------------------------------------------------------------

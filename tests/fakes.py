@@ -137,7 +137,7 @@ class FakeEngine:
     built_version: int = 0
     served_version: int = 0
     processed: list[int] = field(default_factory=list)
-    fail_on: str | None = None  # a word that makes process_document raise ValueError
+    fail_on: str | None = None  # a word that makes process_document raise EngineInputError
     # the datastore's write lock and the build lock, for workers sharing this fake
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _build: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -168,7 +168,7 @@ class FakeEngine:
     ) -> PreparedDocument:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
-            raise ValueError(f"cannot encode the word {self.fail_on!r}")
+            raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
         return PreparedDocument(doc_id, day, words, policy or self.policy)
 
     def store_document(

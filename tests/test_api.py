@@ -207,7 +207,7 @@ def test_failed_document_is_marked_and_does_not_stop_the_queue(env: Env) -> None
     assert env.drain() == 2
     bad, good = (c.get(f"/documents/{i}").json() for i in ids)
     assert bad["status"] == "failed"
-    assert bad["error"] == "ValueError: cannot encode the word 'poison'"
+    assert bad["error"] == "EngineInputError: cannot encode the word 'poison'"
     assert good["status"] == "done"
 
 
@@ -231,6 +231,46 @@ def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
 def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
     yield from _env(tmp_path, url)
+
+
+def test_admin_retry_queues_a_failed_document_again(any_env: Env) -> None:
+    env, c = any_env, any_env.client
+    env.engine.fail_on = "poison"
+    [bad, good] = [
+        d["id"]
+        for d in c.post(
+            "/ingest", headers=INGEST, json={"documents": [doc("a poison b"), doc("c d")]}
+        ).json()["documents"]
+    ]
+    assert env.drain() == 2
+    failed = c.get(f"/documents/{bad}").json()
+    assert (failed["status"], failed["attempts"]) == ("failed", 1)
+    # posting it again answers the document as it is; only the admin retry queues it
+    again = c.post("/ingest", headers=INGEST, json={"documents": [doc("a poison b")]}).json()
+    assert again["documents"] == [{"id": bad, "status": "failed", "duplicate": True}]
+    assert c.post(f"/admin/documents/{bad}/retry", headers=INGEST).status_code == 401
+    r = c.post(f"/admin/documents/{bad}/retry", headers=ADMIN)
+    assert r.status_code == 202
+    body = r.json()
+    assert (body["status"], body["attempts"], body["error"], body["processed_at"]) == (
+        "pending",
+        0,
+        None,
+        None,
+    )
+    conflict = c.post(f"/admin/documents/{bad}/retry", headers=ADMIN)
+    assert conflict.status_code == 409 and conflict.json() == {
+        "error": "conflict",
+        "detail": f"document {bad} is pending; only a failed one is retried",
+    }
+    done = c.post(f"/admin/documents/{good}/retry", headers=ADMIN)
+    assert done.status_code == 409 and "is done" in done.json()["detail"]
+    missing = c.post("/admin/documents/999999/retry", headers=ADMIN)
+    assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+    env.engine.fail_on = None  # the cause is fixed: the retry memorises it
+    assert env.drain() == 1
+    out = c.get(f"/documents/{bad}").json()
+    assert (out["status"], out["attempts"], out["tokens_seen"]) == ("done", 0, 2)
 
 
 def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
@@ -629,6 +669,7 @@ def test_openapi_lists_every_route_with_examples(env: Env) -> None:
         "/admin/rebuild",
         "/admin/policy",
         "/admin/documents/{doc_id}",
+        "/admin/documents/{doc_id}/retry",
         "/healthz",
         "/readyz",
         "/metrics",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 import time
 from typing import Any
 
@@ -140,3 +141,39 @@ def purge_database_wal(sessions: sessionmaker[Session]) -> None:
     bind = sessions.kw.get("bind")
     if isinstance(bind, Engine) and bind.dialect.name == "sqlite" and not purge_wal(bind):
         log.warning("a reader kept the SQLite WAL from being truncated; the next build retries")
+
+
+def run_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], stop: threading.Event, poll: float
+) -> None:
+    """Build queued requests until ``stop`` is set; polls every ``poll`` seconds when idle.
+
+    Runs beside the ingest loop (a thread of ``memlm worker`` and of the API's embedded
+    worker), so documents keep flowing during a build: the build works on a snapshot of
+    the datastore, and entries appended meanwhile join the fresh exact index that the new
+    version is served with.
+    """
+    while not stop.is_set():
+        try:
+            built = run_queued_build(engine, sessions)
+        except Exception:
+            log.exception("builder step failed; retrying after a pause")
+            built = None
+        if built is None:
+            stop.wait(poll)
+
+
+def start_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], poll: float
+) -> tuple[threading.Thread, threading.Event]:
+    """Start :func:`run_builder` in a daemon thread; set the event to stop it.
+
+    Daemon: a process that exits mid-build leaves the request ``building`` with its lock
+    dropped, and the next start queues it again (builds write temp + ``os.replace``).
+    """
+    stop = threading.Event()
+    t = threading.Thread(
+        target=run_builder, args=(engine, sessions, stop, poll), name="memlm-builder", daemon=True
+    )
+    t.start()
+    return t, stop

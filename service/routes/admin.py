@@ -1,4 +1,4 @@
-"""Admin routes (admin bearer token): stats, rebuild, policy, forget."""
+"""Admin routes (admin bearer token): stats, rebuild, policy, forget, retry."""
 
 from __future__ import annotations
 
@@ -109,3 +109,15 @@ def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
     if hide is not None and doc.status == "forgetting":
         hide([doc_id])
     return document_out(doc)
+
+
+@router.post(
+    "/documents/{doc_id}/retry",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=DocumentOut,
+    summary="Queue a failed document again",
+)
+def retry(doc_id: RowId, session: DbSession) -> DocumentOut:
+    """A failed document goes back to ``pending`` with its tries counted from zero;
+    404 when it does not exist, 409 when it is not failed."""
+    return document_out(DocumentRepository(session).requeue_failed(doc_id))

@@ -58,7 +58,8 @@ def ingest(body: IngestRequest, session: DbSession, state: State) -> IngestRespo
 def document_out(d: Document) -> DocumentOut:
     fields = ("id", "status", "source", "external_id", "title", "published_at", "created_at")
     more = ("processed_at", "error", "policy", "tokens_seen", "tokens_stored")
-    data = {name: getattr(d, name) for name in (*fields, *more, "entry_start", "entry_end")}
+    tries = ("attempts", "retry_at")
+    data = {name: getattr(d, name) for name in (*fields, *more, "entry_start", "entry_end", *tries)}
     return DocumentOut.model_validate({**data, "metadata": d.meta})
 
 

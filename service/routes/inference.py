@@ -28,6 +28,7 @@ from service.schemas import (
     WordSuggestionOut,
 )
 from service.state import AppState
+from workers.engine import policy_params
 
 router = APIRouter(tags=["inference"])
 
@@ -165,7 +166,10 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
                 default_policy=state.settings.policy, default_delta=state.settings.delta
             )
             factory = state.policy_factory
-            return row.policy, factory(row.policy, row.delta, row.params) if factory else None
+            if factory is None:
+                return row.policy, None
+            params = policy_params(row.policy, row.params, state.settings, s)
+            return row.policy, factory(row.policy, row.delta, params)
 
     name, policy = await run_in_threadpool(active_policy)
     memory = memory_options(body, state.settings)
