@@ -708,7 +708,8 @@ class ServedCalibration:
     def training_index(self) -> tuple[set[int], dict[int, int]]:
         """The stream documents in the training set and its tokens per day."""
         stat = _stat(self.train_path)
-        if self._index is None or stat != self._index_stat:
+        index = self._index  # one read: the builder thread may reset it meanwhile
+        if index is None or stat != self._index_stat:
             self._index_stat = stat
             docs: set[int] = set()
             days: dict[int, int] = {}
@@ -718,8 +719,8 @@ class ServedCalibration:
                 docs = set(np.unique(doc[doc >= 0]).tolist())
                 u, c = np.unique(day, return_counts=True)
                 days = dict(zip(u.tolist(), c.tolist(), strict=True))
-            self._index = (docs, days)
-        return self._index
+            index = self._index = (docs, days)
+        return index
 
     def _write_training_set(self, rows: dict[str, np.ndarray]) -> None:
         tmp = self.train_path.with_suffix(".tmp.npz")

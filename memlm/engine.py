@@ -9,11 +9,12 @@ No database and no HTTP here; the caller commits its own bookkeeping.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,19 @@ import numpy as np
 import torch
 
 from memlm.calibrator import TOP_N, ServedCalibration
-from memlm.datastore import Datastore, SimulatedCrash
+from memlm.datastore import Compaction, Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
-from memlm.index import BuildInfo, IndexParams, MemoryIndex, build_index, prune
+from memlm.index import (
+    BuildInfo,
+    IndexParams,
+    MemoryIndex,
+    build_index,
+    list_versions,
+    newest_recorded,
+    prune,
+    remove_orphan_versions,
+)
 from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.locks import FileLock, LockBusy
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
@@ -71,6 +81,8 @@ class RebuildInfo(BuildInfo):
     """A new index version and what the calibrator training at that build did."""
 
     calibrator: dict[str, Any] = field(default_factory=dict)
+    # what the compaction before the build removed (rows of forgotten documents)
+    compaction: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,7 @@ class Engine:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
+        scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
         return PreparedDocument(doc_id, day, token_ids, out, pol.decide(scores))
 
     def store_document(
@@ -702,17 +715,52 @@ class Engine:
         self._check_writer()
         with self.building():
             self.sync()
+            compaction = self.compact()
             info = build_index(
                 self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
             )
-            self.calibration.snapshot(self.data_dir / "index", info.version)
-            prune(self.data_dir / "index", keep=3)
+            # ingest goes on during a build (workers.builder): the statistics are saved
+            # between two documents, never half-way through one's update
+            with self.exclusive(), self._write_lock:
+                self.calibration.snapshot(self.data_dir / "index", info.version)
             report = self._calibrate_for(info.version)
+            # After the calibrator of the new version is saved (or carried forward): older
+            # versions that hold a forgotten document's keys go now, whatever their age.
+            if self.datastore.num_deleted_documents:  # (a failed training carried none)
+                self.calibration._carry_forward(self.data_dir / "index", info.version)
+            prune(
+                self.data_dir / "index",
+                keep=3,
+                deleted_documents=self.datastore.num_deleted_documents,
+            )
         self.index.reload()
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         return RebuildInfo(
-            **{f.name: getattr(info, f.name) for f in fields(info)}, calibrator=report
+            **{f.name: getattr(info, f.name) for f in fields(info)},
+            calibrator=report,
+            compaction=dataclasses.asdict(compaction),
         )
+
+    def compact(self, *, crash_at: str | None = None) -> Compaction:
+        """Remove forgotten documents' rows from the datastore files (``Datastore.compact``).
+
+        Runs under the build lock (the nightly build calls it first) and the datastore's
+        write lock; the served memory then re-reads the rewritten segments. Ids do not
+        change, so the index versions, the fresh index and the database stay valid.
+        """
+        self._check_writer()
+        with self.building(), self.exclusive(), self._write_lock:
+            done = self.datastore.compact(crash_at=crash_at)
+            self.index.refresh()
+        if done.rows_removed:
+            log.info(
+                "compaction: %d rows of forgotten documents removed from %d segments, "
+                "%d bytes reclaimed",
+                done.rows_removed,
+                done.segments,
+                done.bytes_reclaimed,
+            )
+        return done
 
     def _calibrate_for(self, version: int) -> dict[str, Any]:
         """Merge the pending held-out tokens and train the calibrator of ``version``."""
@@ -780,24 +828,54 @@ class Engine:
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         return changed
 
-    def forget_document(self, doc_id: int, text: str | None = None) -> int:
+    def reconcile_index(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Serve only index versions the database recorded: the newest of them on disk.
+
+        A version directory no record names (a build killed before its record) is an
+        orphan; ``delete`` (a writer, which takes the build lock) also removes orphans and
+        points CURRENT back. Returns the orphan versions found, ascending.
+        """
+        root = self.data_dir / "index"
+        if delete:
+            self._check_writer()
+            with self.building(timeout=0):
+                orphans = remove_orphan_versions(root, recorded)
+        else:
+            orphans = [v for v in list_versions(root) if v not in set(recorded)]
+        want = newest_recorded(root, recorded)
+        if self.index.version != want:
+            self.index.serve(want)
+            self.calibration.load_for(root, self.index.version)
+        return orphans
+
+    def forget_document(
+        self, doc_id: int, text: str | None = None, *, entries: range | None = None
+    ) -> int:
         """Hide every entry of a document from search and from later builds.
 
         Its held-out tokens leave the calibrator's pending records and training set too.
         With its ``text`` its tokens also leave the lexical statistics (once: a retry
         after a crash takes nothing out twice); the snapshot beside the index version
-        served now keeps them until the next build.
+        served now keeps them until the next build, which compacts the datastore (the
+        keys leave the disk) and deletes every older index version (see ``rebuild``).
+        ``entries``: the id range the database recorded for it, so that only that range
+        of the datastore is read (``Datastore.delete_document``).
         """
         self._check_writer()
         ids = None if text is None else self.encoder.tokenize(text)
         with self.exclusive(), self._write_lock:
-            hidden = self.datastore.delete_document(doc_id)
+            hidden = self.datastore.delete_document(doc_id, entries=entries)
             if ids is not None:
                 self.calibration.forget(ids, doc_id)
         self.heldout.drop_document(doc_id)
         with self.building():  # the training set has the builder's lock
             self.calibration.drop_document(doc_id)
         return hidden
+
+    def hide_documents(self, doc_ids: list[int]) -> int:
+        """Stop serving these documents' entries now, before the writer deletes them (a
+        forget requested, not yet applied); see ``MemoryIndex.hide_documents``."""
+        return self.index.hide_documents(doc_ids)
 
     def truncate_datastore(self, n: int) -> None:
         """Roll back entries with ids >= n (their documents were never committed)."""
@@ -826,7 +904,9 @@ class Engine:
         return {
             "entries": ds["live_entries"],
             "datastore_entries": ds["entries"],
+            "datastore_rows": ds["rows"],
             "deleted_documents": ds["deleted_documents"],
+            "bytes_reclaimed": ds["bytes_reclaimed"],
             "bytes_on_disk": ds["bytes_on_disk"] + index_bytes,
             "bytes_in_ram": self._index_ram_bytes(idx),
             "index_version": self.index.version,

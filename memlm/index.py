@@ -4,8 +4,10 @@
   otherwise) from a snapshot of the live entries, writes it into ``root/tmp-...``, renames
   that to ``root/v000042`` and atomically points ``root/CURRENT`` at it.
 - :class:`MemoryIndex` serves the current version plus an exact "fresh" index over the
-  entries appended since that version's snapshot, merges both, hides deleted documents,
-  and (for IVF-PQ) re-ranks candidates with exact distances from the float16 keys.
+  entries appended since that version's snapshot, merges both, hides deleted documents
+  (and those ``hide_documents`` names, before their deletion is committed) and entries a
+  compaction removed, and (for IVF-PQ) re-ranks candidates with exact distances from the
+  float16 keys of the live ones only.
 
 Index ids are global datastore entry ids. Distances are **squared** L2 (the FAISS
 convention), ascending; missing results are padded with (inf, -1).
@@ -21,7 +23,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -146,6 +148,9 @@ class BuildInfo:
     path: Path
     generation: int = 0  # datastore generation at the snapshot (see unchanged_below)
     dim: int = 0
+    # documents the datastore had deleted at the snapshot: a version built before a later
+    # deletion holds that document's keys (and its lexical statistics), see ``prune``
+    deleted_documents: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -187,15 +192,29 @@ def current_version(root: Path) -> int | None:
     return int(name[1:])
 
 
-def prune(root: Path, keep: int = 3) -> list[Path]:
+def prune(root: Path, keep: int = 3, *, deleted_documents: int | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` versions (never CURRENT's) and stale tmp dirs.
 
-    Only call it from the single builder: a tmp dir of a build in progress would go too.
+    ``deleted_documents`` (the datastore's count now): also delete every version built
+    when fewer documents were deleted, since it still holds a forgotten document's keys
+    (codes, or float32 keys in a flat index) and lexical statistics. A version whose
+    meta cannot be read counts as such. Only call it from the single builder: a tmp dir
+    of a build in progress would go too.
     """
     root = Path(root)
     cur = current_version(root)
     versions = list_versions(root)
     doomed = [v for v in versions[: max(0, len(versions) - keep)] if v != cur]
+    if deleted_documents:
+        for v in versions:
+            if v == cur or v in doomed:
+                continue
+            try:
+                built_with = BuildInfo.read(root / _version_name(v)).deleted_documents
+            except (OSError, ValueError, TypeError):
+                built_with = -1
+            if built_with < deleted_documents:
+                doomed.append(v)
     removed = [root / _version_name(v) for v in doomed]
     removed += [p for p in root.iterdir() if p.name.startswith("tmp-")] if root.exists() else []
     for p in removed:
@@ -203,6 +222,37 @@ def prune(root: Path, keep: int = 3) -> list[Path]:
     if removed:
         fsync_dir(root)
     return removed
+
+
+def newest_recorded(root: Path, recorded: Collection[int]) -> int | None:
+    """The newest version directory under ``root`` that the build records vouch for."""
+    kept = [v for v in list_versions(Path(root)) if v in set(recorded)]
+    return max(kept) if kept else None
+
+
+def remove_orphan_versions(root: Path, recorded: Collection[int]) -> list[int]:
+    """Delete version directories that no build record names; point CURRENT at the newest
+    recorded one (remove it when there is none). Returns the deleted versions, ascending.
+
+    An orphan is a build killed after writing its directory (or CURRENT) and before the
+    database recorded it: its request is still marked running and is built again. Only
+    the single builder may call this, holding the build lock (a build in progress has an
+    unrecorded directory too).
+    """
+    root = Path(root)
+    orphans = [v for v in list_versions(root) if v not in set(recorded)]
+    keep = newest_recorded(root, recorded)
+    cur = root / CURRENT
+    if keep is None:
+        if cur.exists():
+            cur.unlink()
+    elif current_version(root) != keep:
+        atomic_write_text(cur, _version_name(keep) + "\n")
+    for v in orphans:  # CURRENT no longer names them: a crash here leaves only orphans
+        shutil.rmtree(root / _version_name(v))
+    if root.exists():
+        fsync_dir(root)
+    return orphans
 
 
 # --- building ------------------------------------------------------------------------
@@ -315,6 +365,7 @@ def build_index(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     upto, generation = datastore.snapshot()
+    deleted = datastore.num_deleted_documents  # read before the live ids: never more
     live = _live_ids(datastore, upto)
     dim = datastore.dim
     if params is None:
@@ -357,6 +408,7 @@ def build_index(
         path=final,
         generation=generation,
         dim=dim,
+        deleted_documents=deleted,
     )
     (tmp / META_FILE).write_text(json.dumps(info.to_json(), indent=1), encoding="utf-8")
     for name in (INDEX_FILE, META_FILE):
@@ -468,7 +520,28 @@ class MemoryIndex:
         _set_blas_threshold(datastore.dim)
         self._writer = threading.Lock()  # serialises refresh/reload
         self._fresh_lock = _RWLock()  # searches vs in-place adds to the fresh index
+        # documents hidden before the datastore's tombstone exists (a forget requested and
+        # not yet applied by the writer); replaced, never mutated, so searches read it as is
+        self._hidden = np.empty(0, dtype=np.int64)
         self._state = self._load(current_version(self.root))
+
+    def hide_documents(self, doc_ids: npt.ArrayLike) -> int:
+        """Hide these documents' entries from every search from now on; returns how many
+        documents are hidden this way. Ones the datastore already deletes leave the set:
+        its tombstone hides them (and survives restarts, which this set does not)."""
+        with self._writer:
+            ids = np.union1d(self._hidden, np.asarray(doc_ids, dtype=np.int64).reshape(-1))
+            deleted = np.fromiter(self.datastore.deleted_documents, np.int64)
+            self._hidden = np.setdiff1d(ids, deleted)
+            return len(self._hidden)
+
+    def _dead(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """True where a (valid, >= 0) id must not be served: its document is deleted or
+        hidden, or a compaction removed it."""
+        hidden = self._hidden
+        if not (self.datastore.num_deleted_documents or len(hidden)) or not ids.size:
+            return np.zeros(ids.shape, dtype=bool)
+        return ~self.datastore.live_mask(ids, hidden).reshape(ids.shape)
 
     # --- state changes ---------------------------------------------------------------
 
@@ -537,6 +610,12 @@ class MemoryIndex:
             self._state = new
             return True
 
+    def serve(self, version: int | None) -> None:
+        """Serve ``version`` (None: the fresh part alone), whatever CURRENT names."""
+        with self._writer:
+            self.datastore.reload()
+            self._state = self._load(version)
+
     # --- reading ----------------------------------------------------------------------
 
     @property
@@ -588,8 +667,7 @@ class MemoryIndex:
             # Drop stale built ids (-2) and deleted entries only now, after the merge: the
             # top ``fetch`` of the union minus dead ones are the nearest live ones.
             keep = (ids >= 0) & (ids < len(self.datastore))  # < len: truncated, no refresh
-            if self.datastore.num_deleted_documents:
-                keep[keep] = self.datastore.live_mask(ids[keep])
+            keep[keep] = ~self._dead(ids[keep])
             if not keep.all():
                 dist = np.where(keep, dist, np.inf).astype(np.float32)
                 ids = np.where(keep, ids, -1)
@@ -668,6 +746,11 @@ class MemoryIndex:
         sp.nprobe = nprobe  # per call: several threads may search with different nprobe
         d, i = st.built.search(q, fetch, params=sp)
         d, i = self._drop_stale(st, d, i)
+        # Dead candidates go before the re-rank reads keys: a compaction may have removed
+        # theirs, and a forgotten document's keys are not read again.
+        ok = i >= 0
+        ok[ok] = ~self._dead(i[ok])
+        i = np.where(ok | (i < 0), i, -2)
         if do_rerank:
             d = self._exact_distances(q, i)
             order = np.argsort(d, axis=1, kind="stable")

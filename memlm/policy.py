@@ -17,6 +17,8 @@ Each policy maps per-token scores to a boolean "store" mask:
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,6 +44,7 @@ class TokenScores:
     target_logprob: np.ndarray  # (n,) log p(x_t) under the augmented model
     max_logprob: np.ndarray  # (n,) max_y log p(y) under the augmented model
     key_ce: np.ndarray  # (n,) -log softmax(E key)[x_t] (NaN when not computed)
+    doc_id: int | None = None  # the stream document scored (None: a text outside the stream)
 
     def __len__(self) -> int:
         return int(self.target_logprob.shape[0])
@@ -66,7 +69,22 @@ class FullMem:
 
 
 class RandMem:
-    """Stores each token with probability ``rate``; a seeded stream, so runs repeat."""
+    """Stores each token with probability ``rate``, from seeded random streams.
+
+    A stream document's mask comes from its own generator, ``default_rng([seed, doc_id])``
+    (a SeedSequence over the stream's seed and the document's id), not from one generator
+    advanced from document to document. Both give every document a different mask at the
+    configured rate, but an advancing generator makes a document's mask depend on how many
+    tokens were drawn before it: a document processed again after a crash (its first draws
+    were spent), or by one of several workers in whatever order they claim, would get
+    another mask than one uninterrupted worker gives it. Keyed by (seed, document id), the
+    mask is the same whoever processes the document, whenever, and however often; distinct
+    ids give independent streams (SeedSequence mixes the pair), so the stored share over
+    many documents is ``rate`` as for one stream.
+
+    Scores without a document id (``Engine.score`` of a free text, the evaluation harness)
+    draw from one generator seeded once and advanced call after call, under a lock.
+    """
 
     needs_augmented = False
     needs_key_ce = False
@@ -74,11 +92,20 @@ class RandMem:
     def __init__(self, rate: float, seed: int = 0, name: str = "randmem"):
         if not 0.0 <= rate <= 1.0:
             raise ValueError("rate must be in [0, 1]")
+        if seed < 0:
+            raise ValueError("seed must be >= 0")
         self.name, self.rate, self.seed = name, rate, seed
         self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()  # numpy generators are not thread-safe
 
     def decide(self, scores: TokenScores) -> np.ndarray:
-        return self._rng.random(len(scores)) < self.rate
+        if scores.doc_id is not None:
+            if scores.doc_id < 0:
+                raise ValueError("RandMem needs a document id >= 0")
+            rng = np.random.default_rng([self.seed, scores.doc_id])
+            return rng.random(len(scores)) < self.rate
+        with self._lock:
+            return self._rng.random(len(scores)) < self.rate
 
 
 @dataclass
@@ -144,6 +171,50 @@ def token_scores(
 
 
 POLICY_NAMES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+
+
+# delta is a log-probability threshold: 0 already stores every token not predicted with
+# certainty, and below -100 (p < 4e-44) nothing is ever stored; outside that it is a typo.
+DELTA_RANGE = (-100.0, 0.0)
+# What each policy's ``params`` may hold (the keyword arguments make_policy takes for it):
+# name -> (type, lowest, highest). RandMem's seed feeds numpy's generator (< 2**63).
+POLICY_PARAMS: dict[str, dict[str, tuple[type, float, float]]] = {
+    "fullmem": {},
+    "randmem": {"rate": (float, 0.0, 1.0), "seed": (int, 0, 2**63 - 1)},
+    "monim": {},
+    "monim-amt": {},
+    "monim-kl": {},
+}
+# Policies whose decision uses delta; the others refuse one rather than ignore it.
+USES_DELTA = ("monim", "monim-amt", "monim-kl")
+
+
+def check_policy(name: str, delta: float | None, params: dict[str, object]) -> None:
+    """Raise ValueError, saying why, unless make_policy(name, delta=delta, **params) is
+    meaningful: a known name, a finite delta in DELTA_RANGE for a policy that uses one,
+    and only the params that policy takes, of the right type and in range."""
+    if name not in POLICY_PARAMS:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if delta is not None:
+        if name not in USES_DELTA:
+            raise ValueError(f"{name} takes no delta (only {', '.join(USES_DELTA)} do)")
+        lo, hi = DELTA_RANGE
+        if not (math.isfinite(delta) and lo <= delta <= hi):
+            raise ValueError(f"delta must be a finite number in [{lo:g}, {hi:g}], got {delta}")
+    allowed = POLICY_PARAMS[name]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "none"
+        raise ValueError(f"{name} takes no parameter {', '.join(unknown)} (it takes: {takes})")
+    for key, value in params.items():
+        kind, lo, hi = allowed[key]
+        ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+        if isinstance(value, bool) or not ok_type:
+            what = "a number" if kind is float else "an integer"
+            raise ValueError(f"{name} parameter {key} must be {what}, got {value!r}")
+        number = float(value)  # type: ignore[arg-type]
+        if not (math.isfinite(number) and lo <= number <= hi):
+            raise ValueError(f"{name} parameter {key} must be in [{lo:g}, {hi:g}], got {value}")
 
 
 def make_policy(

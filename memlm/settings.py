@@ -8,15 +8,19 @@ the environment elsewhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
+from memlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
 DEFAULT_SECRET = "change-me"
+# Outside development a token shorter than this is refused: 16 random URL-safe characters
+# are 96 bits, beyond guessing over HTTP (secrets.token_urlsafe(32) gives 43).
+MIN_TOKEN_CHARS = 16
 
 POLICIES = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
 
@@ -41,7 +45,11 @@ class Settings(BaseSettings):
     # The policy's threshold; None takes the policy's own default (-1.5 for MoNIM as in
     # DESIGN.md; MoNIM(KL) works on another scale and has its own).
     delta: float | None = None
-    randmem_rate: float = Field(default=0.3, ge=0.0, le=1.0)
+    # RandMem's share of tokens stored, or "monim": the MemRate MoNIM measured on this
+    # stream (cumulative over the days its variants ran), as in MoNIM's RandMem baseline.
+    randmem_rate: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["monim"] = 0.3
+    # Seed of RandMem's streams: a document's mask depends only on (seed, document id).
+    randmem_seed: int = Field(default=0, ge=0)
     # k, temperature, lambda of the kNN-LM; None keeps the engine's defaults.
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)
@@ -72,6 +80,12 @@ class Settings(BaseSettings):
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
     rebuild_cron: str = "0 3 * * *"
     worker_poll_seconds: float = Field(default=2.0, gt=0)
+    # A document whose preparation fails for a passing reason (a busy database, an
+    # out-of-memory batch...) is tried again, at most this many tries in all, waiting
+    # backoff * 2^(failures - 1) seconds (capped) between tries; bad text fails at once.
+    ingest_max_attempts: int = Field(default=5, ge=1)
+    ingest_retry_backoff_seconds: float = Field(default=5.0, ge=0)
+    ingest_retry_backoff_max_seconds: float = Field(default=300.0, ge=0)
     # How often the API checks for a new index version and new datastore entries.
     index_poll_seconds: float = Field(default=5.0, gt=0)
     # Run the ingest worker as a thread of the API process, sharing its engine (one model
@@ -122,6 +136,15 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _meaningful_delta(self) -> Settings:
+        # The same rule as PUT /admin/policy: a NaN delta would store nothing at all.
+        try:
+            check_policy(self.policy, self.delta, {})
+        except ValueError as e:
+            raise ValueError(f"MEMLM_POLICY / MEMLM_DELTA: {e}") from None
+        return self
+
+    @model_validator(mode="after")
     def _calibrator_bounds(self) -> Settings:
         if self.calibrator_max_tokens < self.calibrator_min_tokens:
             raise ValueError(
@@ -132,13 +155,29 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _no_default_secret_outside_development(self) -> Settings:
-        if self.env != "development":
-            for name in ("ingest_token", "admin_token"):
-                if getattr(self, name).get_secret_value() == DEFAULT_SECRET:
-                    raise ValueError(
-                        f"MEMLM_{name.upper()} is the development default; "
-                        f"set a real secret when MEMLM_ENV={self.env}"
-                    )
+        if self.env == "development":
+            return self
+        how = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        for name in ("ingest_token", "admin_token"):
+            value = getattr(self, name).get_secret_value()
+            var = f"MEMLM_{name.upper()}"
+            if value == DEFAULT_SECRET:
+                raise ValueError(
+                    f"{var} is the development default; set a real secret when "
+                    f"MEMLM_ENV={self.env} (e.g. {how})"
+                )
+            if not value.strip():
+                raise ValueError(f"{var} is empty; set a secret when MEMLM_ENV={self.env}")
+            if len(value) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"{var} has {len(value)} characters; use at least {MIN_TOKEN_CHARS} "
+                    f"when MEMLM_ENV={self.env} (e.g. {how})"
+                )
+        if self.ingest_token.get_secret_value() == self.admin_token.get_secret_value():
+            raise ValueError(
+                "MEMLM_INGEST_TOKEN equals MEMLM_ADMIN_TOKEN: whoever may ingest could also "
+                f"administer; set two different secrets when MEMLM_ENV={self.env}"
+            )
         return self
 
     @property

@@ -17,13 +17,14 @@ from memlm.db.migrate import check_migrated
 from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
 from memlm.db.session import make_engine, make_sessionmaker
 from memlm.settings import Settings
-from service.errors import install_error_handlers
+from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
-from service.middleware import BodyGuard, RequestMetrics, RequestSlots
+from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
+from workers.builder import reconcile_index
 from workers.engine import EngineLike
 from workers.engine import open_engine as _open_engine
 
@@ -57,19 +58,24 @@ async def sync_index(state: AppState) -> None:
     if engine is None:
         return
 
-    def read_db() -> tuple[str | None, int, int, int]:
+    def read_db() -> tuple[str | None, int, int, int, list[int]]:
         with state.sessions() as s:
             active = BuildRepository(s).active()
             rows = StatsRepository(s).per_day()
-            pending = DocumentRepository(s).pending_count()
+            docs = DocumentRepository(s)
+            pending = docs.pending_count()
+            forgetting = docs.forgetting_ids()
         seen = sum(r.tokens_seen for r in rows)
         stored = sum(r.tokens_stored for r in rows)
-        return (None if active is None else active.version), seen, stored, pending
+        return (None if active is None else active.version), seen, stored, pending, forgetting
 
-    want, seen, stored, pending = await run_in_threadpool(read_db)
+    want, seen, stored, pending, forgetting = await run_in_threadpool(read_db)
     sync = getattr(engine, "sync", None)
     if sync is not None:  # the worker is another process: re-read what it wrote
         await state.executor.call(sync, wait=True)
+    hide = getattr(engine, "hide_documents", None)
+    if hide is not None and forgetting:  # forgets another API process accepted
+        await state.executor.call(partial(hide, forgetting), wait=True)
     if want is not None and want != state.served_version:
         await state.executor.call(engine.reload_index, wait=True)
     stats = await state.executor.call(engine.stats, wait=True)
@@ -157,6 +163,10 @@ def create_app(
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, max(LOAD_RETRY_MAX_SECONDS, delay))
             state.load_error = None
+            # Serve only recorded builds; the worker (the writer) deletes the orphans. What
+            # is served now is the record: sync_index must not reload CURRENT over it.
+            await asyncio.to_thread(reconcile_index, eng, sessions, delete=False)
+            state.served_version = await asyncio.to_thread(_engine_version, eng)
             _attach(state, eng)
             if with_worker:
                 start_worker(eng)
@@ -196,6 +206,7 @@ def create_app(
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        responses=error_responses(500),  # any route, when something unexpected fails
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
@@ -204,4 +215,5 @@ def create_app(
     app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    app.add_middleware(CatchAll)  # outermost of ours: a 500 is a normal response
     return app

@@ -6,7 +6,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -76,6 +76,11 @@ def require_read(state: State, creds: Credentials) -> None:
     if state.settings.protect_read:
         require_ingest(state, creds)
 
+
+# Row ids are INTEGER columns: PostgreSQL's end at 2**31 - 1 (SQLite's at 2**63 - 1). A
+# larger id names no row, and the database refused to even compare with it (a 500).
+MAX_ID = 2**31 - 1
+RowId = Annotated[int, Path(ge=1, le=MAX_ID, description=f"a row id, 1 to {MAX_ID}")]
 
 AdminAuth = Depends(require_admin)
 IngestAuth = Depends(require_ingest)

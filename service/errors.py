@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memlm.db.errors import DomainError
+from service.schemas import ErrorOut
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,35 @@ _HTTP_NAMES = {
     415: "unsupported_media_type",
     422: "validation_error",
 }
+
+
+# What each error status means, for OpenAPI; every one has the ErrorOut body.
+_MEANING = {
+    400: "the body is not valid UTF-8",
+    401: "no valid bearer token (WWW-Authenticate: Bearer)",
+    404: "no such resource",
+    409: "the resource's state does not allow it now",
+    413: "the body, a document or a text is larger than the server accepts",
+    422: "the request does not validate (validation_error) or the engine cannot use "
+    "its text (invalid_input)",
+    429: "the model's queue is full; retry after Retry-After seconds",
+    500: "an unexpected error (logged by the server; the detail never says more)",
+    503: "the model is not loaded yet, or failed to load",
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    429: {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with the ErrorOut body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        out[status] = {"model": ErrorOut, "description": _MEANING[status]}
+        if status in _HEADERS:
+            out[status]["headers"] = _HEADERS[status]
+    return out
 
 
 def error_body(error: str, detail: Any) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""ASGI middleware: body size limit and strict UTF-8 for JSON bodies, request metrics."""
+"""ASGI middleware: body size limit and strict UTF-8 for JSON bodies, request metrics, and
+the last line of defence that answers an unexpected exception with a normal 500."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -10,6 +12,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import Overloaded
 from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 async def _send_error(
@@ -155,3 +159,37 @@ class RequestSlots:
             served = status["code"] < 400
         finally:
             executor.leave_request(served)
+
+
+class CatchAll:
+    """Answer an exception no handler took with the generic 500 body, and stop it here.
+
+    Starlette's ``ServerErrorMiddleware`` (where an ``Exception`` handler lands) sends the
+    500 and then re-raises, and uvicorn closes the connection of a request whose app
+    raised: the client's next request on that keep-alive connection failed too. Here the
+    exception ends as a complete response. Once a response has started it cannot become
+    a 500, so it is re-raised and the server cuts the truncated response off.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            await _send_error(send, 500, "internal_error", "internal server error")

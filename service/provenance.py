@@ -45,7 +45,7 @@ def neighbours_out(
             distance=float(n.distance),
             position=int(n.position),
         )
-        if doc is not None and doc.status != "forgotten":
+        if doc is not None and doc.status not in ("forgetting", "forgotten"):
             start, end = char_span(doc.text, int(n.position)) if char_span else (0, 0)
             item.title = doc.title
             item.published_at = doc.published_at

@@ -3,17 +3,70 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from memlm.settings import POLICIES
+from memlm.policy import DELTA_RANGE, POLICY_NAMES, check_policy
 
 DocumentStatus = Literal["pending", "processing", "done", "failed", "forgetting", "forgotten"]
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class ErrorOut(BaseModel):
+    """The body of every error answer, whatever its status."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: str = Field(
+        description="a stable code: bad_request (400), unauthorized (401), not_found (404), "
+        "method_not_allowed (405), conflict (409), payload_too_large (413), "
+        "validation_error or invalid_input (422), overloaded (429), internal_error (500), "
+        "unavailable (503)",
+        examples=["validation_error"],
+    )
+    detail: str = Field(
+        description="a message for people; for validation_error, one `location: problem` "
+        "clause per problem, joined by '; ' (locations are dotted paths into the body, "
+        "e.g. documents.0.text, or the name of a path parameter)",
+        examples=["documents.0.text: String should have at least 1 character"],
+    )
+
+
+def check_storable(value: Any, where: str) -> None:
+    """Raise ValueError when ``value`` (a JSON value) cannot be stored as-is in both
+    databases: PostgreSQL refuses NUL in text and jsonb, a lone surrogate ("\\ud800") is
+    not UTF-8, and JSON columns have no NaN or Infinity."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where} contains a NUL character (U+0000), which cannot be stored")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"{where} contains a lone surrogate; it is not valid Unicode"
+            ) from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}; only finite numbers can be stored")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_storable(k, f"{where} key")
+            check_storable(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_storable(v, f"{where}.{i}")
 
 
 # --- ingest -----------------------------------------------------------------------------
@@ -32,6 +85,12 @@ class DocumentIn(Strict):
     def _not_blank(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("text is empty")
+        return v
+
+    @field_validator("text", "source", "external_id", "title", "metadata")
+    @classmethod
+    def _storable(cls, v: Any, info: ValidationInfo) -> Any:
+        check_storable(v, str(info.field_name))
         return v
 
     @field_validator("published_at", mode="before")
@@ -95,6 +154,10 @@ class DocumentOut(BaseModel):
     tokens_stored: int | None
     entry_start: int | None
     entry_end: int | None
+    attempts: int = Field(0, description="failed tries so far (a passing error is retried)")
+    retry_at: dt.datetime | None = Field(
+        None, description="a pending document retried after a failure waits until then"
+    )
 
 
 # --- predict and score -------------------------------------------------------------------
@@ -264,24 +327,39 @@ class StatsResponse(BaseModel):
     documents: dict[str, int]
     bytes_on_disk: int | None
     bytes_in_ram: int | None
+    bytes_reclaimed: int | None = Field(
+        None,
+        description="datastore bytes that compactions removed (forgotten documents' rows), "
+        "cumulative over the data directory's life",
+    )
     index: IndexOut
     policy: PolicyOut
     calibrator: CalibratorOut | None = None
 
 
 class PolicyIn(Strict):
-    policy: str = Field(examples=["monim"])
+    policy: str = Field(examples=["monim"], json_schema_extra={"enum": list(POLICY_NAMES)})
     delta: float | None = Field(
-        None, examples=[-1.5], description="threshold; null takes the policy's default"
+        None,
+        ge=DELTA_RANGE[0],
+        le=DELTA_RANGE[1],
+        allow_inf_nan=False,
+        examples=[-1.5],
+        description="log-probability threshold of monim, monim-amt and monim-kl (the others "
+        "take none); null takes the policy's default",
     )
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="randmem: rate (0 to 1) and seed (integer >= 0); the others take none",
+    )
 
-    @field_validator("policy")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(POLICIES)}")
-        return v
+    @model_validator(mode="after")
+    def _meaningful(self) -> PolicyIn:
+        # Unknown params used to stop every ingest (make_policy raised in the worker) and a
+        # NaN delta stored nothing at all: refuse both here, before they reach the database.
+        check_storable(self.params, "params")
+        check_policy(self.policy, self.delta, self.params)
+        return self
 
 
 class PolicyOut(BaseModel):
@@ -298,6 +376,12 @@ class RebuildRequest(Strict):
         description="idempotency key: the same key twice builds once; "
         "without one the request joins a queued or running build",
     )
+
+    @field_validator("key")
+    @classmethod
+    def _storable(cls, v: str | None) -> str | None:
+        check_storable(v, "key")
+        return v
 
 
 class BuildOut(BaseModel):

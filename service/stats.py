@@ -78,6 +78,7 @@ def summarise(
         documents=db["documents"],
         bytes_on_disk=engine_stats.get("bytes_on_disk"),
         bytes_in_ram=engine_stats.get("bytes_in_ram"),
+        bytes_reclaimed=engine_stats.get("bytes_reclaimed"),
         index=IndexOut(
             version=None if active is None else active.version,
             built_at=None if active is None else active.finished_at,

@@ -138,7 +138,7 @@ class FakeEngine:
     built_version: int = 0
     served_version: int = 0
     processed: list[int] = field(default_factory=list)
-    fail_on: str | None = None  # a word that makes process_document raise ValueError
+    fail_on: str | None = None  # a word that makes process_document raise EngineInputError
     span: int = 512  # words at the end of a context that predict reads (fit_context)
     # the datastore's write lock and the build lock, for workers sharing this fake
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -170,7 +170,7 @@ class FakeEngine:
     ) -> PreparedDocument:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
-            raise ValueError(f"cannot encode the word {self.fail_on!r}")
+            raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
         return PreparedDocument(doc_id, day, words, policy or self.policy)
 
     def store_document(
@@ -296,7 +296,9 @@ class FakeEngine:
         self.served_version = self.built_version
         return changed
 
-    def forget_document(self, doc_id: int, text: str | None = None) -> int:
+    def forget_document(
+        self, doc_id: int, text: str | None = None, *, entries: range | None = None
+    ) -> int:
         if doc_id in self.deleted:
             return 0
         self.deleted.add(doc_id)

@@ -7,8 +7,8 @@ from typing import Any
 
 from memlm.settings import Settings
 
-INGEST = {"Authorization": "Bearer ingest-secret"}
-ADMIN = {"Authorization": "Bearer admin-secret"}
+INGEST = {"Authorization": "Bearer ingest-secret-for-tests"}
+ADMIN = {"Authorization": "Bearer admin-secret-for-tests"}
 
 
 def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
@@ -16,8 +16,8 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
         "env": "test",
         "data_dir": tmp_path / "data",
         "database_url": db_url,
-        "ingest_token": "ingest-secret",
-        "admin_token": "admin-secret",
+        "ingest_token": "ingest-secret-for-tests",
+        "admin_token": "admin-secret-for-tests",
         "worker_poll_seconds": 0.05,
         "index_poll_seconds": 3600,
     }

@@ -4,6 +4,7 @@ the worker process between append and commit; the bundled SmolLM2 in one slow te
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from sqlalchemy import select
 
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
-from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument
+from memlm.index import current_version, list_versions
 from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
@@ -133,6 +135,54 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert gone["neighbours"] == [] and gone["lambda"] == 0.0
 
 
+def test_a_build_killed_before_its_record_is_not_served_after_restart(
+    tmp_path: Path, sqlite_url: str, tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The builder wrote v000002 and CURRENT, then died before recording the build."""
+    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama")
+    root = settings.datastore_dir / "index"
+    for env in _env(settings, tiny):
+        c = env.client
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(TEXT)]})
+        c.post("/admin/rebuild", headers=ADMIN)
+        assert env.drain() == 2  # the document, then build 1 (recorded)
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(OTHER)]})
+        assert env.drain() == 1
+        killed = c.post("/admin/rebuild", headers=ADMIN).json()
+        with env.worker.sessions.begin() as s:  # what run_queued_build does before building
+            claimed = BuildRepository(s).claim_queued()
+            assert claimed is not None and claimed.id == killed["id"]
+        with env.engine.building():
+            env.engine.rebuild()  # ... and the process dies here, before BuildRepository.finish
+        assert list_versions(root) == [1, 2] and current_version(root) == 2
+
+    # An API over a read-only engine (the worker is another process) serves the record.
+    engine = open_engine(settings, encoder=tiny, writer=False)
+    assert engine.index.version == 2  # what CURRENT names
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with caplog.at_level(logging.WARNING), TestClient(app) as c:
+        assert c.get("/readyz").json()["index_version"] == "1"
+        assert c.post("/predict", json={"context": "The"}).json()["index_version"] == "1"
+        assert list_versions(root) == [1, 2]  # a reader deletes nothing
+    assert "not serving index version 2: no build record names it" in caplog.messages
+
+    # The worker's start deletes the orphan, points CURRENT back, and builds the request again.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for env in _env(settings, tiny):
+            assert "deleted index version 2: no build record names it" in caplog.messages
+            assert list_versions(root) == [1] and current_version(root) == 1
+            assert env.client.get("/readyz").json()["index_version"] == "1"
+            build = env.client.get(f"/admin/builds/{killed['id']}", headers=ADMIN).json()
+            assert build["status"] == "queued"  # released by the worker's recovery
+            assert env.drain() == 1
+            env.sync()
+            build = env.client.get(f"/admin/builds/{killed['id']}", headers=ADMIN).json()
+            assert (build["status"], build["version"]) == ("done", "2")
+            assert env.client.get("/readyz").json()["index_version"] == "2"
+            assert list_versions(root) == [1, 2] and current_version(root) == 2
+
+
 def test_worker_process_killed_between_append_and_commit(
     tmp_path: Path, sqlite_url: str, tiny: Any, make_sessions: Any
 ) -> None:
@@ -152,8 +202,8 @@ def test_worker_process_killed_between_append_and_commit(
         "MEMLM_MODEL": "tiny-llama",
         "MEMLM_DATA_DIR": str(settings.data_dir),
         "MEMLM_DATABASE_URL": sqlite_url,
-        "MEMLM_INGEST_TOKEN": "i",
-        "MEMLM_ADMIN_TOKEN": "a",
+        "MEMLM_INGEST_TOKEN": "ingest-secret-for-tests",
+        "MEMLM_ADMIN_TOKEN": "admin-secret-for-tests",
         "MEMLM_THREADS": "1",
         "MEMLM_CALIBRATOR_SAMPLE": "1.0",  # both documents are recorded for the calibrator
     }
@@ -242,3 +292,92 @@ def test_bundled_smollm2_neighbours_come_from_the_ingested_article(
         assert scotland["knn_prob"] > 0.5 and scotland["prob"] > scotland["lm_prob"]
         sc = c.post("/score", json={"text": OTHER}).json()
         assert sc["ppl"] < sc["lm_ppl"]
+
+
+SECRET = (
+    "Mrs Quillfeather of Zorblatt Lane told the parish council on Monday that her "
+    "neighbour's hedge had grown over the public footpath again."
+)
+
+
+def _files_blob(root: Path) -> bytes:
+    """Every byte of every file under ``root`` (data directory, SQLite database, WAL)."""
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, tiny: Any) -> None:
+    from memlm.index import list_versions
+
+    settings = make_settings(
+        tmp_path, sqlite_url, model="tiny-llama", calibrator_training=True, calibrator_sample=1.0
+    )
+    for env in _env(settings, tiny):
+        c = env.client
+        ds = env.engine.datastore
+        docs = [doc(TEXT, title="Rates"), doc(SECRET, title="Hedge"), doc(OTHER)]
+        ids = [
+            d["id"]
+            for d in c.post("/ingest", headers=INGEST, json={"documents": docs}).json()["documents"]
+        ]
+        assert env.drain() == 3
+        c.post("/admin/rebuild", headers=ADMIN)
+        assert env.drain() == 1
+        env.sync()
+        secret = c.get(f"/documents/{ids[1]}").json()
+        span = np.arange(secret["entry_start"], secret["entry_end"])
+        assert len(span) == secret["tokens_stored"] == len(tiny.tokenize(SECRET)) - 1
+        keys16 = ds.keys(span)
+        keys32 = keys16.astype(np.float32)  # what the flat index version holds
+        # Before: the grep finds the text and the keys, and the document is served.
+        blob = _files_blob(tmp_path)
+        assert b"Zorblatt" in blob
+        assert all(k.tobytes() in blob for k in keys16)
+        assert all(k.tobytes() in blob for k in keys32)
+        context = SECRET[: SECRET.index(" Lane")]
+        ask = {"context": context, "neighbours": 8}
+        before = c.post("/predict", json=ask).json()
+        assert before["neighbours"][0]["document_id"] == ids[1]
+
+        # Right after the request, before any worker step: never a neighbour again.
+        assert c.delete(f"/admin/documents/{ids[1]}", headers=ADMIN).json()["status"] == (
+            "forgetting"
+        )
+        now = c.post("/predict", json=ask).json()
+        assert len(now["neighbours"]) == 8
+        assert ids[1] not in {n["document_id"] for n in now["neighbours"]}
+        # A forget another API process accepted is hidden here at the next index sync.
+        snow = {"context": OTHER[: OTHER.index(" schools")], "neighbours": 8}
+        assert c.post("/predict", json=snow).json()["neighbours"][0]["document_id"] == ids[2]
+        with env.client.app.state.memlm.sessions.begin() as s:  # type: ignore[attr-defined]
+            DocumentRepository(s).request_forget(ids[2])
+        env.sync()
+        hidden = c.post("/predict", json=snow).json()["neighbours"]
+        assert len(hidden) == 8 and ids[2] not in {n["document_id"] for n in hidden}
+        n_other = c.get(f"/documents/{ids[2]}").json()["tokens_stored"]
+
+        assert env.drain() == 2  # the worker deletes them ...
+        c.post("/admin/rebuild", headers=ADMIN)
+        assert env.drain() == 1  # ... and the next build compacts
+        env.sync()
+        blob = _files_blob(tmp_path)
+        assert b"Zorblatt" not in blob and b"Quillfeather" not in blob
+        assert not any(k.tobytes() in blob for k in keys16)
+        assert not any(k.tobytes() in blob for k in keys32)
+        assert list_versions(settings.datastore_dir / "index") == [2]
+
+        st = c.get("/admin/stats", headers=ADMIN).json()
+        assert st["documents"] == {"done": 1, "forgotten": 2}
+        assert st["entries_forgotten"] == len(span) + n_other
+        assert st["entries"] == st["tokens_stored"] - st["entries_forgotten"] == ds.num_live
+        assert ds.stats()["rows"] == ds.num_live == len(ds) - len(span) - n_other
+        # Both documents' rows leave; the segment keeps a 4-byte id for each remaining row.
+        row = 2 * ds.dim + 20
+        assert st["bytes_reclaimed"] == (len(span) + n_other) * row - 4 * ds.num_live > 0
+        gone = c.get(f"/documents/{ids[1]}").json()
+        assert (gone["status"], gone["title"], gone["tokens_stored"]) == (
+            "forgotten",
+            "Hedge",
+            len(span),
+        )
+        after = c.post("/predict", json=ask).json()
+        assert ids[1] not in {n["document_id"] for n in after["neighbours"]}

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from memlm.datastore import (
+    COMPACT_CRASH_POINTS,
     CRASH_POINTS,
+    DELETE_CRASH_POINTS,
     MANIFEST,
+    Compaction,
     Datastore,
     DatastoreError,
     SimulatedCrash,
@@ -207,11 +210,15 @@ def test_delete_document_persists(tmp_path: Path) -> None:
         "live_entries": 4,
         "deleted_documents": 1,
         "bytes_on_disk": sum(f.stat().st_size for f in tmp_path.iterdir()),
+        "bytes_reclaimed": 0,
         "dim": DIM,
         "segments": 3,
+        "rows": 10,
     }
-    # Keys 10 x 8 x 2 + values 4 + doc ids 8 + positions 4 + days 4 bytes, plus the manifest.
-    assert ds.stats()["bytes_on_disk"] == 10 * (16 + 20) + (tmp_path / MANIFEST).stat().st_size
+    # Keys 10 x 8 x 2 + values 4 + doc ids 8 + positions 4 + days 4 bytes, the one
+    # tombstone (8 bytes), plus the manifest.
+    manifest = (tmp_path / MANIFEST).stat().st_size
+    assert ds.stats()["bytes_on_disk"] == 10 * (16 + 20) + 8 + manifest
 
 
 def test_bad_inputs_raise(tmp_path: Path) -> None:
@@ -348,3 +355,154 @@ def test_shared_writer_crash_leaves_a_store_the_next_writer_continues(
     np.testing.assert_array_equal(b.keys(np.arange(start, start + 3)), nxt[0])
     with pytest.raises(DatastoreError, match="closed"):
         a.append(*nxt)
+
+
+# --- forget: tombstone log, live count, compaction ------------------------------------
+
+
+def _bytes_of_dir(path: Path) -> bytes:
+    return b"".join(f.read_bytes() for f in sorted(path.iterdir()) if f.is_file())
+
+
+def _three_docs(tmp_path: Path) -> tuple[Datastore, list[tuple]]:
+    """Documents 1, 2, 3 across segments of 4 ids: 1 = ids 0-4, 2 = 5-10, 3 = 11-13."""
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=4)
+    parts = [batch(5, 40, doc=1), batch(6, 41, doc=2), batch(3, 42, doc=3)]
+    for p in parts:
+        ds.append(*p)
+    return ds, parts
+
+
+def test_compact_removes_deleted_rows_and_keeps_ids(tmp_path: Path) -> None:
+    ds, parts = _three_docs(tmp_path)
+    reader = Datastore.open(tmp_path, readonly=True)
+    keys = np.concatenate([p[0] for p in parts])
+    assert ds.delete_document(2, entries=range(5, 11)) == 6
+    # 6 rows of 36 bytes leave; each rewritten segment keeps 1 row and a 4-byte id for it
+    assert ds.compact() == Compaction(segments=2, rows_removed=6, bytes_reclaimed=6 * 36 - 8)
+    assert ds.compact() == Compaction(0, 0, 0)  # nothing left to remove
+    # No byte of document 2's keys is left in any file; the others' are all there.
+    blob = _bytes_of_dir(tmp_path)
+    assert all(parts[1][0][i].tobytes() not in blob for i in range(6))
+    assert all(k.tobytes() in blob for k in np.concatenate([parts[0][0], parts[2][0]]))
+    assert (len(ds), ds.num_live, ds.stats()["rows"], ds.bytes_reclaimed) == (14, 8, 8, 208)
+    kept = np.r_[0:5, 11:14]
+    np.testing.assert_array_equal(ds.keys(kept), keys[kept])
+    np.testing.assert_array_equal(ds.provenance(kept)[0], [1] * 5 + [3] * 3)
+    np.testing.assert_array_equal(ds.live_mask(np.arange(14)), np.isin(np.arange(14), kept))
+    with pytest.raises(DatastoreError, match="entry 6 was compacted away"):
+        ds.keys([0, 6])
+    chunks = [(first, len(k)) for first, k, _ in ds.iter_chunks(0, 14, chunk=3)]
+    assert chunks == [(0, 3), (3, 1), (4, 1), (11, 1), (12, 2)]
+    np.testing.assert_array_equal(ds.entries_of_document(3), [11, 12, 13])
+    # A reader that mapped the old files switches to the new ones when it reloads.
+    assert reader.reload() is True
+    np.testing.assert_array_equal(reader.keys(kept), keys[kept])
+    assert reader.num_live == 8 and not reader.live_mask([7])[0]
+    # Appends continue the compacted last segment (ids 14, 15) and then a new one.
+    more = batch(3, 43, doc=4)
+    assert ds.append(*more) == range(14, 17)
+    ds.close()
+    ds = Datastore.open(tmp_path)
+    np.testing.assert_array_equal(ds.keys([14, 15, 16]), more[0])
+    np.testing.assert_array_equal(ds.keys(kept), keys[kept])
+    assert (ds.num_live, ds.stats()["rows"]) == (11, 11)
+    # A truncation inside a compacted segment cuts by id.
+    ds.truncate(13)
+    assert (len(ds), ds.num_live) == (13, 7)
+    np.testing.assert_array_equal(ds.keys([11, 12]), keys[[11, 12]])
+    ds.close()
+    assert Datastore.open(tmp_path).num_live == 7
+
+
+@pytest.mark.parametrize("point", COMPACT_CRASH_POINTS)
+def test_compact_crash_at_each_point(tmp_path: Path, point: str) -> None:
+    ds, parts = _three_docs(tmp_path)
+    ds.delete_document(2)
+    with pytest.raises(SimulatedCrash, match=point):
+        ds.compact(crash_at=point)
+    with pytest.raises(DatastoreError, match="closed"):
+        ds.compact()
+    ds = Datastore.open(tmp_path)  # the next writer: nothing lost, document 2 hidden
+    keys = np.concatenate([p[0] for p in parts])
+    kept = np.r_[0:5, 11:14]
+    np.testing.assert_array_equal(ds.keys(kept), keys[kept])
+    assert (len(ds), ds.num_live) == (14, 8)
+    assert not ds.live_mask(np.arange(5, 11)).any()
+    committed = point == "after_manifest"
+    assert ds.stats()["rows"] == (8 if committed else 14)
+    # Whatever the crash left (new files before the commit, old ones after) is gone, and
+    # compacting again finishes the job.
+    ds.compact()
+    blob = _bytes_of_dir(tmp_path)
+    assert all(parts[1][0][i].tobytes() not in blob for i in range(6))
+    assert ds.stats()["rows"] == 8 and ds.bytes_reclaimed == 6 * 36 - 8
+    np.testing.assert_array_equal(ds.keys(kept), keys[kept])
+
+
+@pytest.mark.parametrize("point", DELETE_CRASH_POINTS)
+def test_delete_crash_at_each_point(tmp_path: Path, point: str) -> None:
+    ds, _ = _three_docs(tmp_path)
+    ds.delete_document(1)
+    with pytest.raises(SimulatedCrash, match=point):
+        ds.delete_document(3, crash_at=point)
+    ds = Datastore.open(tmp_path)
+    committed = point == "after_manifest"
+    assert ds.deleted_documents == ({1, 3} if committed else {1})
+    assert ds.num_live == (6 if committed else 9)
+    assert (tmp_path / "tombstones").stat().st_size == 8 * len(ds.deleted_documents)
+    assert ds.delete_document(3) == (0 if committed else 3)  # the retry after the crash
+    assert ds.num_live == 6
+
+
+def test_tombstone_bookkeeping_is_proportional_to_the_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work counted, not timed: after deletions, an append reads no stored document id
+    and num_live reads nothing; a deletion given its range reads only that range and
+    writes one 8-byte tombstone, and the manifest does not grow with the deletions."""
+    ds = Datastore.open(tmp_path, dim=DIM, max_segment_entries=64)
+    for doc in range(40):
+        ds.append(*batch(5, doc, doc=doc))
+    manifest0 = (tmp_path / MANIFEST).stat().st_size
+    read: list[int] = []
+    real = Datastore._gather
+
+    def counting(self: Datastore, column: str, ids: object) -> np.ndarray:
+        out = real(self, column, ids)
+        read.append(len(out))
+        return out
+
+    monkeypatch.setattr(Datastore, "_gather", counting)
+    monkeypatch.setattr(Datastore, "_all_doc_ids", lambda self: pytest.fail("full scan"))
+    for doc in range(30):
+        assert ds.delete_document(doc, entries=range(5 * doc, 5 * doc + 5)) == 5
+    assert read == [5] * 30
+    assert (tmp_path / "tombstones").stat().st_size == 30 * 8
+    assert (tmp_path / MANIFEST).stat().st_size == manifest0  # same digits, same size
+    read.clear()
+    ds.append(*batch(10, 99, doc=3))  # entries of a deleted document stay hidden
+    assert ds.num_live == 10 * 5
+    ds.append(*batch(10, 98, doc=77))
+    assert ds.num_live == 10 * 5 + 10
+    assert read == []
+
+
+def test_open_upgrades_a_v1_manifest(tmp_path: Path) -> None:
+    ds, _ = _three_docs(tmp_path)
+    ds.close()
+    raw = json.loads((tmp_path / MANIFEST).read_text())
+    v1 = {
+        **{k: raw[k] for k in ("format", "dim", "max_segment_entries", "generation")},
+        "format_version": 1,
+        "segments": [{"name": s["name"], "entries": s["entries"]} for s in raw["segments"]],
+        "deleted_documents": [2],
+        "truncations": [],
+    }
+    (tmp_path / MANIFEST).write_text(json.dumps(v1))
+    reader = Datastore.open(tmp_path, readonly=True)
+    assert (reader.deleted_documents, reader.num_live) == ({2}, 8)
+    ds = Datastore.open(tmp_path)
+    assert json.loads((tmp_path / MANIFEST).read_text())["format_version"] == 2
+    assert (ds.deleted_documents, ds.num_live) == ({2}, 8)
+    assert ds.delete_document(3) == 3 and ds.num_live == 5

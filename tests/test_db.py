@@ -99,6 +99,34 @@ def test_claim_order_done_and_committed_end(sessions: sessionmaker[Session]) -> 
         assert (row.day, row.documents, row.tokens_seen, row.tokens_stored) == (D1, 1, 9, 4)
 
 
+def test_retry_later_waits_its_time_and_requeue_failed(sessions: sessionmaker[Session]) -> None:
+    now = dt.datetime.now(dt.UTC)
+    with sessions.begin() as s:
+        first, second = (a.id for a in DocumentRepository(s).add_many([new("r1"), new("r2")]))
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        claimed = docs.claim_next("w1")
+        assert claimed is not None and claimed.id == first
+        docs.retry_later(first, "busy", now + dt.timedelta(hours=1))
+        # the earlier document waits for its retry; the queue goes on without it
+        nxt = docs.claim_next("w1")
+        assert nxt is not None and nxt.id == second
+        assert docs.claim_next("w1") is None
+        docs.get(first).retry_at = now - dt.timedelta(seconds=1)
+        again = docs.claim_next("w1")
+        assert again is not None and (again.id, again.attempts, again.error) == (first, 1, "busy")
+        docs.mark_failed(first, "gave up")
+        with pytest.raises(Conflict, match="is processing; only a failed one is retried"):
+            docs.requeue_failed(second)
+        with pytest.raises(NotFound):
+            docs.requeue_failed(10**6)
+    with sessions.begin() as s:
+        row = DocumentRepository(s).requeue_failed(first)
+        assert (row.status, row.attempts, row.error, row.retry_at) == ("pending", 0, None, None)
+    with sessions.begin() as s:
+        assert DocumentRepository(s).claim_next("w2") is not None
+
+
 @pytest.mark.postgres
 def test_skip_locked_lets_two_workers_claim_different_documents(
     pg_url: str, make_sessions: MakeSessions
@@ -232,6 +260,7 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
         row = BuildRepository(s).get(build.id)
         policy = PolicyRepository(s).get(default_policy="x", default_delta=None)
         got = {**_timestamps(doc), **_timestamps(row), **_timestamps(policy)}
+    assert got.pop("retry_at") is None  # a done document waits for no retry
     assert sorted(got) == [
         "claimed_at",
         "created_at",
@@ -242,6 +271,11 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
         "updated_at",
     ]
     _assert_utc_between(got, t0, t1)
+    with sessions.begin() as s:
+        [retried] = (a.id for a in DocumentRepository(s).add_many([new("tz retry")]))
+        DocumentRepository(s).retry_later(retried, "busy", t1)
+    with sessions() as s:
+        assert DocumentRepository(s).get(retried).retry_at == t1
     with sessions.begin() as s:
         PolicyRepository(s).set("fullmem", None, {})  # a Python-side value this time
     with sessions() as s:
@@ -281,3 +315,52 @@ def test_aware_timestamps_keep_their_instant_and_naive_ones_are_refused(
         DocumentRepository(s).get(doc_id).processed_at = dt.datetime(2017, 2, 7, 12, 0)
         with pytest.raises(StatementError, match="naive datetime 2017-02-07T12:00:00 refused"):
             s.flush()
+
+
+@pytest.mark.parametrize("chars", [200, 20_000])  # in the page, and in overflow pages
+def test_forgotten_text_leaves_the_sqlite_files(
+    sqlite_url: str, make_sessions: MakeSessions, chars: int
+) -> None:
+    from pathlib import Path
+
+    from memlm.db.session import purge_wal
+
+    sessions = make_sessions(sqlite_url)
+    secret = ("Zorblatt " * chars)[:chars]
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        [a, b] = docs.add_many([new(secret, title="Hedge"), new("another text")])
+        docs.mark_done(
+            docs.get(a.id),
+            policy="monim",
+            tokens_seen=3,
+            tokens_stored=2,
+            entry_start=0,
+            entry_end=2,
+        )
+    db = Path(sqlite_url.removeprefix("sqlite:///"))
+    files = [db, db.with_name(db.name + "-wal")]
+
+    def blob() -> bytes:
+        return b"".join(f.read_bytes() for f in files if f.exists())
+
+    assert purge_wal(sessions.kw["bind"]) is True
+    assert b"Zorblatt" in blob()
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        assert docs.request_forget(a.id).status == "forgetting"
+        assert docs.forgetting_ids() == [a.id]
+        assert docs.mark_forgotten(a.id) is True
+        assert docs.request_forget(b.id).status == "forgotten"  # pending: the text goes now
+    assert purge_wal(sessions.kw["bind"]) is True
+    assert b"Zorblatt" not in blob() and b"another text" not in blob()
+    assert files[1].stat().st_size == 0
+    with sessions() as s:
+        row = DocumentRepository(s).get(a.id)
+        assert (row.status, row.text, row.title, row.content_hash) == (
+            "forgotten",
+            "",
+            "Hedge",
+            content_hash(secret),
+        )
+        assert DocumentRepository(s).forgetting_ids() == []

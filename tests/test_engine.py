@@ -213,3 +213,68 @@ def test_fit_context_keeps_exactly_what_predict_reads(tmp_path, encoder):
     short = "The harbour authority"
     n = len(encoder.tokenize(short))
     assert engine.fit_context(short) == type(fit)(short, n, n)
+
+
+def test_randmem_masks_are_per_document_and_repeat_on_reprocessing(engine):
+    from memlm.policy import RandMem
+
+    pol = RandMem(0.3, seed=11)
+    first = engine.prepare_document(21, TEXT, 19000, policy=pol)
+    other = engine.prepare_document(22, TEXT, 19000, policy=pol)
+    again = engine.prepare_document(21, TEXT, 19000, policy=RandMem(0.3, seed=11))
+    n = len(first.store)
+    # same text, different documents: different masks; the same document: the same one
+    assert not np.array_equal(first.store, other.store)
+    assert np.array_equal(first.store, again.store)
+    assert np.array_equal(first.store, np.random.default_rng([11, 21]).random(n) < 0.3)
+    r = engine.store_document(first)
+    docs, pos, _ = engine.datastore.provenance(np.arange(r.end_entry))
+    assert r.tokens_stored == int(first.store.sum()) and set(docs.tolist()) == {21}
+    assert pos.tolist() == (first.outputs.positions[first.store]).tolist()
+
+
+def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, monkeypatch):
+    """The build works on a snapshot; what ingest appends meanwhile joins the fresh index
+    that the new version is served with."""
+    import threading
+
+    import memlm.index as index_mod
+
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    n0 = len(engine.datastore)
+    snapshot_taken, resume = threading.Event(), threading.Event()
+    real_live_ids = index_mod._live_ids
+
+    def paused(ds, upto):  # build_index calls it right after taking its snapshot
+        snapshot_taken.set()
+        assert resume.wait(60)
+        return real_live_ids(ds, upto)
+
+    monkeypatch.setattr(index_mod, "_live_ids", paused)
+    infos = []
+    builder = threading.Thread(target=lambda: infos.append(engine.rebuild()))
+    builder.start()
+    assert snapshot_taken.wait(60)
+    others = [
+        "Mountain villages reported heavy snow across the northern passes overnight.",
+        "The central bank kept its rates unchanged and signalled patience on inflation.",
+        "A new exhibition of early photographs opened at the city museum on Friday.",
+    ]
+    for i, text in enumerate(others, start=2):
+        engine.process_document(i, text, 19001, policy="fullmem")  # ingest during the build
+    total = len(engine.datastore)
+    resume.set()
+    builder.join(60)
+    assert not builder.is_alive() and infos[0].upto == n0 < total
+    idx = engine.stats()["index"]
+    assert (engine.index.version, idx["built_entries"], idx["fresh_entries"]) == (
+        1,
+        n0,
+        total - n0,
+    )
+    ids = np.arange(total)
+    keys = engine.datastore.keys(ids).astype(np.float32)
+    dist, found = engine.index.search(keys, 4)
+    assert (found == ids[:, None]).any(axis=1).all()  # every entry finds itself
+    docs, _, _ = engine.datastore.provenance(ids[n0:])
+    assert set(docs.tolist()) == {2, 3, 4}

@@ -19,7 +19,9 @@ from memlm.index import (
     build_index,
     current_version,
     list_versions,
+    newest_recorded,
     prune,
+    remove_orphan_versions,
 )
 
 DIM = 16
@@ -229,6 +231,63 @@ def test_crash_during_build_keeps_old_version(ds: Datastore, tmp_path: Path, poi
     np.testing.assert_array_equal(mem.search(q, 12)[1], brute_force(ds, q, 12)[1])
 
 
+@pytest.mark.parametrize("killed", ["after_current", "after_rename"])
+def test_orphan_versions_are_removed_and_current_points_back(
+    ds: Datastore, tmp_path: Path, killed: str
+) -> None:
+    """A build killed after writing v3 (and maybe CURRENT) before the database recorded it."""
+    root = tmp_path / "ix"
+    fill(ds, 300, 40)
+    for _ in range(2):
+        build_index(ds, root, FLAT, progress=False)  # v1, v2: recorded
+    fill(ds, 100, 41)
+    if killed == "after_current":
+        build_index(ds, root, FLAT, progress=False)
+    else:
+        with pytest.raises(SimulatedCrash):
+            build_index(ds, root, FLAT, progress=False, crash_at="after_rename")
+    assert list_versions(root) == [1, 2, 3]
+    assert current_version(root) == (3 if killed == "after_current" else 2)
+    recorded = {1, 2, 7}  # 7: recorded once, pruned since
+    assert newest_recorded(root, recorded) == 2
+    assert remove_orphan_versions(root, recorded) == [3]
+    assert list_versions(root) == [1, 2] and current_version(root) == 2
+    assert MemoryIndex(ds, root).version == 2
+    assert remove_orphan_versions(root, recorded) == []  # idempotent
+    assert build_index(ds, root, FLAT, progress=False).version == 3  # the rebuilt request
+
+
+def test_no_recorded_version_leaves_no_current(ds: Datastore, tmp_path: Path) -> None:
+    root = tmp_path / "ix"
+    fill(ds, 300, 42)
+    build_index(ds, root, FLAT, progress=False)
+    mem = MemoryIndex(ds, root)
+    assert mem.version == 1
+    assert remove_orphan_versions(root, set()) == [1]
+    assert list_versions(root) == [] and not (root / CURRENT).exists()
+    assert newest_recorded(root, set()) is None
+    mem.serve(None)  # what the engine does next: the fresh part alone
+    assert mem.version is None and mem.stats()["fresh_entries"] == 300
+    q = queries(4, 43)
+    np.testing.assert_array_equal(mem.search(q, 9)[1], brute_force(ds, q, 9)[1])
+
+
+def test_serve_a_version_other_than_current(ds: Datastore, tmp_path: Path) -> None:
+    root = tmp_path / "ix"
+    fill(ds, 200, 44)
+    build_index(ds, root, FLAT, progress=False)
+    fill(ds, 150, 45)
+    build_index(ds, root, FLAT, progress=False)
+    mem = MemoryIndex(ds, root)
+    assert mem.version == 2
+    mem.serve(1)
+    st = mem.stats()
+    assert (st["version"], st["fresh_entries"]) == (1, 150)
+    q = queries(5, 46)
+    np.testing.assert_array_equal(mem.search(q, 10)[1], brute_force(ds, q, 10)[1])
+    assert mem.reload() is True and mem.version == 2  # a later reload follows CURRENT again
+
+
 def test_truncate_after_build_replaces_stale_ids(ds: Datastore, tmp_path: Path) -> None:
     fill(ds, 400, 19)
     build_index(ds, tmp_path / "ix", FLAT, progress=False)
@@ -376,3 +435,64 @@ def test_search_between_truncate_and_refresh(ds: Datastore, tmp_path: Path) -> N
     q = queries(5, 33)
     d, i = mem.search(q, 10)
     np.testing.assert_array_equal(i, brute_force(ds, q, 10)[1])
+
+
+def test_hidden_documents_leave_every_search_at_once(ds: Datastore, tmp_path: Path) -> None:
+    fill(ds, 600, 40, n_docs=4)
+    build_index(ds, tmp_path / "ix", FLAT, progress=False)
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    fill(ds, 300, 41, n_docs=4)  # documents 0-3 in the fresh part too
+    mem.refresh()
+    q = queries(20, 42)
+    assert mem.hide_documents([2]) == 1
+    d, i = mem.search(q, 50)
+    assert not np.isin(ds.provenance(i.reshape(-1))[0], [2]).any()
+    live = np.arange(len(ds))[ds.provenance(np.arange(len(ds)))[0] != 2]
+    x = ds.keys(live).astype(np.float64)
+    bd = ((q[:, None, :].astype(np.float64) - x[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(i, live[np.argsort(bd, axis=1, kind="stable")[:, :50]])
+    # Once the datastore deletes it, the tombstone hides it and the set lets it go.
+    ds.delete_document(2)
+    assert mem.hide_documents([]) == 0
+    np.testing.assert_array_equal(mem.search(q, 50)[1], i)
+
+
+def test_old_ivfpq_version_over_a_compacted_store(tmp_path: Path) -> None:
+    """Candidates a compaction removed are dropped before the re-rank reads keys."""
+    dim = 32
+    ds = Datastore.open(tmp_path / "ds", dim=dim, max_segment_entries=1000)
+    n = 3000
+    keys = clustered(n, dim, 43)
+    docs = np.arange(n) // 100  # 30 documents of 100 consecutive entries
+    ds.append(keys, np.zeros(n, np.int64), docs, np.zeros(n, np.int64), 0)
+    params = IndexParams(kind="ivfpq", nlist=16, m=8, nprobe=16, train_size=3000)
+    build_index(ds, tmp_path / "ix", params, progress=False)
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    for doc in range(0, 30, 3):
+        ds.delete_document(doc, entries=range(100 * doc, 100 * doc + 100))
+    assert ds.compact().rows_removed == 1000
+    q = keys[np.arange(0, n, 50)].astype(np.float32)  # a third are forgotten entries
+    d, i = mem.search(q, 10)  # the version still holds the removed ids
+    assert (i >= 0).all() and not np.isin(ds.provenance(i.reshape(-1))[0] % 3, [0]).any()
+    exact = (ds.keys(i.reshape(-1)).astype(np.float64).reshape(len(q), 10, dim) - q[:, None]) ** 2
+    np.testing.assert_allclose(d, exact.sum(-1), rtol=1e-5)
+    live_q = np.flatnonzero(docs[np.arange(0, n, 50)] % 3 != 0)
+    np.testing.assert_allclose(d[live_q, 0], 0, atol=1e-3)  # live entries find themselves
+    # A build after the compaction holds only the live entries.
+    info = build_index(ds, tmp_path / "ix", params, progress=False)
+    assert (info.entries, info.deleted_documents) == (2000, 10)
+
+
+def test_prune_drops_versions_built_before_a_deletion(ds: Datastore, tmp_path: Path) -> None:
+    root = tmp_path / "ix"
+    fill(ds, 300, 44, n_docs=3)
+    build_index(ds, root, FLAT, progress=False)
+    ds.delete_document(1)
+    build_index(ds, root, FLAT, progress=False)
+    build_index(ds, root, FLAT, progress=False)
+    assert prune(root, keep=3, deleted_documents=1) == [root / "v000001"]
+    ds.delete_document(2)
+    build_index(ds, root, FLAT, progress=False)
+    removed = prune(root, keep=3, deleted_documents=ds.num_deleted_documents)
+    assert sorted(p.name for p in removed) == ["v000002", "v000003"]
+    assert list_versions(root) == [4] and current_version(root) == 4

@@ -101,6 +101,36 @@ def test_randmem_is_seeded_and_near_rate():
     assert RandMem(0.0).decide(s).sum() == 0
 
 
+def _doc_scores(n, doc_id):
+    nan = np.full(n, np.nan)
+    return TokenScores(nan, nan, nan, doc_id=doc_id)
+
+
+def test_randmem_gives_each_document_its_own_mask_whoever_processes_it():
+    pol = RandMem(0.3, seed=4)
+    a, b = pol.decide(_doc_scores(200, 1)), pol.decide(_doc_scores(200, 2))
+    assert not np.array_equal(a, b)
+    # the same document gives the same mask again (a crash and reprocess, another worker),
+    # whatever was drawn before, and from another RandMem object of the same stream
+    assert np.array_equal(RandMem(0.3, seed=4).decide(_doc_scores(200, 2)), b)
+    assert np.array_equal(pol.decide(_doc_scores(200, 1)), a)
+    assert np.array_equal(a, np.random.default_rng([4, 1]).random(200) < 0.3)
+    # another stream seed, other masks
+    assert not np.array_equal(RandMem(0.3, seed=5).decide(_doc_scores(200, 1)), a)
+    with pytest.raises(ValueError, match="document id"):
+        pol.decide(_doc_scores(3, -1))
+
+
+def test_randmem_stored_share_over_many_documents_is_the_rate():
+    pol = RandMem(0.3, seed=0)
+    masks = [pol.decide(_doc_scores(n, d)) for d, n in enumerate(range(50, 450), start=1)]
+    share = np.concatenate(masks).mean()  # 100k tokens over 400 documents
+    assert abs(share - 0.3) < 0.01
+    # the old bug: one fresh generator per document gives every document the same prefix
+    firsts = {tuple(m[:50]) for m in masks}
+    assert len(firsts) == len(masks)
+
+
 def test_make_policy():
     assert make_policy("monim-amt", delta=-2.0).delta == -2.0
     with pytest.raises(ValueError, match="unknown policy"):

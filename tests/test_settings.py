@@ -40,11 +40,31 @@ def test_environment_variables_use_the_prefix(
 
 def test_default_secret_refused_outside_development() -> None:
     with pytest.raises(ValidationError, match="MEMLM_ADMIN_TOKEN is the development default"):
-        make(env="production", ingest_token="real")
+        make(env="production", ingest_token="r" * 16)
     with pytest.raises(ValidationError, match="MEMLM_INGEST_TOKEN"):
         make(env="test", admin_token="real")
-    ok = make(env="production", ingest_token="i", admin_token="a")
+    ok = make(env="production", ingest_token="i" * 16, admin_token="a" * 16)
     assert not ok.uses_default_secret()
+
+
+@pytest.mark.parametrize("env", ["test", "production"])
+@pytest.mark.parametrize(
+    ("ingest", "admin", "needle"),
+    [
+        ("", "a" * 16, "MEMLM_INGEST_TOKEN is empty"),
+        ("i" * 16, " " * 20, "MEMLM_ADMIN_TOKEN is empty"),
+        ("i" * 15, "a" * 16, "MEMLM_INGEST_TOKEN has 15 characters; use at least 16"),
+        ("i" * 16, "short", "MEMLM_ADMIN_TOKEN has 5 characters; use at least 16"),
+        ("s" * 40, "s" * 40, "MEMLM_INGEST_TOKEN equals MEMLM_ADMIN_TOKEN"),
+    ],
+)
+def test_weak_tokens_refused_outside_development(
+    env: str, ingest: str, admin: str, needle: str
+) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        make(env=env, ingest_token=ingest, admin_token=admin)
+    dev = make(env="development", ingest_token=ingest, admin_token=admin)  # allowed there
+    assert dev.admin_token.get_secret_value() == admin
 
 
 @pytest.mark.parametrize(
@@ -56,6 +76,8 @@ def test_default_secret_refused_outside_development() -> None:
         ("queue_size", 0, "greater than or equal to 1"),
         ("knn_lambda", 1.5, "less than or equal to 1"),
         ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
+        ("delta", float("nan"), "MEMLM_DELTA: delta must be a finite number in"),
+        ("delta", 2.0, "MEMLM_DELTA: delta must be a finite number in"),
     ],
 )
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:

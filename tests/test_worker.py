@@ -47,7 +47,7 @@ def by_name(name: str, delta: float | None, params: dict[str, object]) -> str:
 def setup(
     tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
 ) -> Iterator[Setup]:
-    settings = make_settings(tmp_path, sqlite_url)
+    settings = make_settings(tmp_path, sqlite_url, ingest_retry_backoff_seconds=0)
     sessions = make_sessions(sqlite_url)
     engine = FakeEngine()
     workers: list[IngestWorker] = []
@@ -118,11 +118,11 @@ def test_failed_commit_rolls_the_datastore_back(
         raise RuntimeError("database went away")
 
     monkeypatch.setattr("workers.ingest.StatsRepository.add_document", broken)
-    with pytest.raises(RuntimeError, match="went away"):
-        w.step()
+    assert w.step() == Processed(doc_id, "retrying")
     assert engine.entries == []
     with sessions() as s:
-        assert _get(s, doc_id).status == "pending"
+        d = _get(s, doc_id)
+        assert (d.status, d.attempts, d.entry_end) == ("pending", 1, None)
     monkeypatch.undo()
     assert isinstance(w.step(), Processed)
     assert day_rows(sessions) == [(1, 2, 2)]
@@ -138,7 +138,7 @@ def test_failure_truncates_partial_appends_and_queue_goes_on(setup: Setup) -> No
     out = w.step()
     assert isinstance(out, Processed) and (out.document_id, out.status) == (good, "done")
     with sessions() as s:
-        assert _get(s, bad).error == "ValueError: cannot encode the word 'poison'"
+        assert _get(s, bad).error == "EngineInputError: cannot encode the word 'poison'"
 
 
 def test_unexpected_failure_reason_hides_the_exception_text(
@@ -281,3 +281,309 @@ def test_build_interrupted_by_a_crash_is_built_after_restart(setup: Setup) -> No
     with sessions() as s:
         [row] = BuildRepository(s).recent()
         assert (row.status, row.version) == ("done", "1")
+
+
+class ReconcilingEngine(FakeEngine):
+    """The fake plus the real engine's reconcile_index call, recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reconciled: list[tuple[set[int], bool]] = []
+
+    def reconcile_index(self, recorded: set[int], *, delete: bool = False) -> list[int]:
+        self.reconciled.append((set(recorded), delete))
+        return [9]
+
+
+def test_reconcile_reads_records_under_the_build_lock_and_deletes_only_when_free(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import threading
+
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild, reconcile_index
+
+    _, sessions, _, _ = setup
+    engine = ReconcilingEngine()
+    for key, version in (("a", "1"), ("b", None), ("c", "3")):
+        row, _ = enqueue_rebuild(sessions, key=key)
+        if version is not None:
+            with sessions.begin() as s:
+                BuildRepository(s).finish(row.id, version=version, entries=1, params={}, seconds=0)
+    with caplog.at_level(logging.WARNING):
+        assert reconcile_index(engine, sessions, delete=True) == [9]
+    assert engine.reconciled == [({1, 3}, True)]
+    assert "deleted index version 9: no build record names it" in caplog.messages
+
+    held, release = threading.Event(), threading.Event()
+
+    def builder() -> None:  # another builder holds the lock: its directory is no orphan
+        with engine.building():
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=builder)
+    t.start()
+    assert held.wait(10)
+    try:
+        assert reconcile_index(engine, sessions, delete=True) == [9]
+    finally:
+        release.set()
+        t.join()
+    assert engine.reconciled[-1] == ({1, 3}, False)
+    assert "not serving index version 9: no build record names it" in caplog.messages
+    assert reconcile_index(FakeEngine(), sessions, delete=True) == []  # nothing versioned
+
+
+def test_worker_start_reconciles_only_after_the_datastore_check(setup: Setup) -> None:
+    settings, sessions, _, _ = setup
+    engine = ReconcilingEngine()
+    w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+    try:
+        w.start(timeout=1)
+        assert engine.reconciled == [(set(), True)]
+        add(sessions, "a b c")
+        assert w.step() is not None
+        engine.entries.clear()  # the data directory lost what the database says it holds
+        with pytest.raises(DatastoreAhead):
+            w.recover()
+        assert engine.reconciled == [(set(), True)]  # refused before touching its files
+    finally:
+        w.lock.release()
+
+
+def test_randmem_takes_rate_and_seed_from_the_settings_or_monims_measured_rate(
+    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
+) -> None:
+    import datetime as dt
+
+    from memlm.db.repositories import PolicyRepository, StatsRepository
+    from memlm.policy import RandMem
+    from workers.engine import policy_factory
+
+    sessions = make_sessions(sqlite_url)
+
+    def active(**over: object) -> RandMem:
+        settings = make_settings(tmp_path, sqlite_url, **over)
+        w = IngestWorker(FakeEngine(), sessions, settings, policy_factory=policy_factory)
+        with sessions.begin() as s:
+            name, pol = w._policy(s)
+        assert name == "randmem" and isinstance(pol, RandMem)
+        return pol
+
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {})
+    pol = active(randmem_rate=0.2, randmem_seed=3)
+    assert (pol.rate, pol.seed) == (0.2, 3)
+    assert active().rate == 0.3  # MEMLM_RANDMEM_RATE's default, not make_policy's 0.5
+    # MoNIM's measured rate: nothing measured yet -> the default rate
+    assert active(randmem_rate="monim").rate == 0.3
+    day = dt.date(2017, 2, 7)
+    with sessions.begin() as s:
+        stats = StatsRepository(s)
+        stats.add_document(day, "monim", 1000, 250)
+        stats.add_document(day, "monim-amt", 1000, 150)
+        stats.add_document(day, "fullmem", 1000, 1000)  # not MoNIM: left out
+    assert active(randmem_rate="monim").rate == 0.2  # (250 + 150) / 2000
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {"rate": 0.1, "seed": 9})
+    pol = active(randmem_rate=0.2, randmem_seed=3)
+    assert (pol.rate, pol.seed) == (0.1, 9)  # the policy row's own params win
+    with sessions.begin() as s:
+        PolicyRepository(s).set("randmem", None, {"rate": "monim"})
+    assert active().rate == 0.2
+
+
+class _Flaky:
+    """prepare_document that raises ``errors`` in turn, then does the real work."""
+
+    def __init__(self, engine: FakeEngine, errors: list[Exception]) -> None:
+        self.engine, self.errors, self.calls = engine, list(errors), 0
+        self.real = engine.prepare_document
+
+    def __call__(self, *a: object, **k: object) -> object:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.real(*a, **k)  # type: ignore[arg-type]
+
+
+def _doc_state(sessions: Sessions, doc_id: int) -> tuple[str, int, str | None]:
+    with sessions() as s:
+        d = _get(s, doc_id)
+        return d.status, d.attempts, d.error
+
+
+def test_transient_failures_are_retried_and_counted_in_the_database(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    settings, sessions, engine, new_worker = setup
+    [doc_id] = add(sessions, "a b c")
+    busy = OperationalError("SELECT 1", {}, Exception("database is locked"))
+    flaky = _Flaky(engine, [busy, MemoryError()])
+    monkeypatch.setattr(engine, "prepare_document", flaky)
+    w = new_worker()
+    w.start(timeout=1)
+    assert w.step() == Processed(doc_id, "retrying")
+    reason = "internal error while processing the document (details in the worker log)"
+    assert _doc_state(sessions, doc_id) == ("pending", 1, reason)
+    w.lock.release()
+    restarted = new_worker()  # the count lives in the database, not in the worker
+    restarted.start(timeout=1)
+    assert restarted.step() == Processed(doc_id, "retrying")
+    assert _doc_state(sessions, doc_id) == ("pending", 2, reason)
+    out = restarted.step()
+    assert isinstance(out, Processed) and (out.status, out.tokens_stored) == ("done", 2)
+    with sessions() as s:
+        d = _get(s, doc_id)
+        assert (d.status, d.attempts, d.error, d.retry_at) == ("done", 2, None, None)
+    assert flaky.calls == 3 and day_rows(sessions) == [(1, 2, 2)]
+
+
+def test_a_document_fails_after_the_last_try_and_bad_text_at_once(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, sessions, engine, new_worker = setup
+    settings = settings.model_copy(update={"ingest_max_attempts": 3})
+    flaky_id, bad_id, good_id = add(sessions, "a b", "c poison d", "e f")
+    engine.fail_on = "poison"
+    flaky = _Flaky(engine, [RuntimeError("CUDA out of memory")] * 3)
+    monkeypatch.setattr(engine, "prepare_document", flaky)
+    w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+    w.start(timeout=1)
+    try:
+        # tries 1 and 2 of the flaky one leave it pending; the bad text fails at its first
+        assert w.step() == Processed(flaky_id, "retrying")
+        assert w.step() == Processed(flaky_id, "retrying")
+        assert w.step() == Processed(flaky_id, "failed")
+        assert w.step() == Processed(bad_id, "failed")
+        out = w.step()
+        assert isinstance(out, Processed) and (out.document_id, out.status) == (good_id, "done")
+    finally:
+        w.lock.release()
+    assert _doc_state(sessions, flaky_id)[:2] == ("failed", 3)
+    assert _doc_state(sessions, bad_id) == (
+        "failed",
+        1,
+        "EngineInputError: cannot encode the word 'poison'",
+    )
+    assert flaky.calls == 5 and engine.entries[0].doc_id == good_id
+
+
+def test_a_retry_waits_for_its_backoff_and_the_queue_goes_on(
+    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
+) -> None:
+    import datetime as dt
+
+    from workers.ingest import retry_delay
+
+    settings = make_settings(
+        tmp_path,
+        sqlite_url,
+        ingest_retry_backoff_seconds=5,
+        ingest_retry_backoff_max_seconds=30,
+    )
+    assert [retry_delay(settings, n) for n in range(1, 6)] == [5, 10, 20, 30, 30]
+    sessions = make_sessions(sqlite_url)
+    engine = FakeEngine()
+    first, second = add(sessions, "a b", "c d")
+    flaky = _Flaky(engine, [TimeoutError("lock wait")])
+    engine.prepare_document = flaky  # type: ignore[method-assign]
+    w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+    w.start(timeout=1)
+    try:
+        before = dt.datetime.now(dt.UTC)
+        assert w.step() == Processed(first, "retrying")
+        with sessions() as s:
+            at = _get(s, first).retry_at
+        assert at is not None and 5 <= (at - before).total_seconds() < 6
+        out = w.step()  # the first waits; the second is taken meanwhile
+        assert isinstance(out, Processed) and (out.document_id, out.status) == (second, "done")
+        assert w.step() is None
+        with sessions.begin() as s:
+            _get(s, first).retry_at = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        out = w.step()
+        assert isinstance(out, Processed) and (out.document_id, out.status) == (first, "done")
+    finally:
+        w.lock.release()
+
+
+def test_a_claim_goes_back_to_the_queue_when_even_the_failure_cannot_be_recorded(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from sqlalchemy.exc import OperationalError
+
+    settings, sessions, engine, new_worker = setup
+    [doc_id] = add(sessions, "a b")
+    down = OperationalError("UPDATE", {}, Exception("server closed the connection"))
+    flaky = _Flaky(engine, [down])
+    monkeypatch.setattr(engine, "prepare_document", flaky)
+    real = DocumentRepository.retry_later
+
+    def once_down(self: DocumentRepository, *a: object, **k: object) -> None:
+        monkeypatch.setattr(DocumentRepository, "retry_later", real)
+        raise down
+
+    monkeypatch.setattr(DocumentRepository, "retry_later", once_down)
+    stop = threading.Event()
+    t = threading.Thread(target=new_worker().run, args=(stop,))
+    t.start()
+    deadline = time.monotonic() + 10
+    while engine.processed != [doc_id] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    t.join(5)
+    # the first try's failure was not recorded (not counted), the claim was put back,
+    # and the second try memorised it
+    assert engine.processed == [doc_id] and flaky.calls == 2
+    assert _doc_state(sessions, doc_id) == ("done", 0, None)
+
+
+def test_ingest_goes_on_while_the_builder_thread_builds(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from memlm.db.repositories import BuildRepository
+    from workers.builder import enqueue_rebuild
+
+    settings, sessions, engine, new_worker = setup
+    started, finish = threading.Event(), threading.Event()
+    real_rebuild = engine.rebuild
+    during: list[int] = []
+
+    def slow_rebuild(**kw: object) -> object:
+        started.set()
+        assert finish.wait(20)  # the build lasts until the documents below are memorised
+        during.extend(engine.processed)
+        return real_rebuild(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "rebuild", slow_rebuild)
+    enqueue_rebuild(sessions, key="nightly:2017-02-07", requested_by="scheduler")
+    stop = threading.Event()
+    t = threading.Thread(target=new_worker().run, args=(stop,))
+    t.start()
+    try:
+        assert started.wait(10)
+        ids = add(sessions, "a b c", "d e f", "g h")
+        deadline = time.monotonic() + 10
+        while engine.processed != ids and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.processed == ids  # memorised while the build was running
+        finish.set()
+        deadline = time.monotonic() + 10
+        while engine.built_version != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        finish.set()
+        stop.set()
+        t.join(10)
+    assert during == ids and engine.built_version == 1 and not t.is_alive()
+    with sessions() as s:
+        [row] = BuildRepository(s).recent()
+        assert (row.status, row.version, row.entries) == ("done", "1", 5)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 import time
 from typing import Any
 
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
+from memlm.db.session import purge_wal
 from memlm.locks import LockBusy
 from workers.engine import EngineLike
 
@@ -36,6 +39,36 @@ def enqueue_rebuild(
                 return pending, False
             key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
         return builds.enqueue(key, requested_by)
+
+
+def reconcile_index(
+    engine: EngineLike, sessions: sessionmaker[Session], *, delete: bool
+) -> list[int]:
+    """Serve only recorded index versions; with ``delete`` (the worker at start) remove
+    the orphans of builds killed before their record. Returns the orphan versions.
+
+    Orphans are deleted, not adopted: their build request is still marked running, so
+    start-up queues it again and it is rebuilt from the datastore as it is now, this time
+    with its calibrator step and its record (an adopted directory may lack both).
+    """
+    reconcile = getattr(engine, "reconcile_index", None)
+    if reconcile is None:  # an engine without versioned directories (the fake)
+        return []
+    with contextlib.ExitStack() as held:
+        if delete:
+            try:  # the records are read under the lock: a build finishing now is kept
+                held.enter_context(engine.building(timeout=0))
+            except LockBusy:  # another process builds: its directory is not an orphan
+                delete = False
+        with sessions() as s:
+            recorded = BuildRepository(s).recorded_versions()
+        orphans: list[int] = reconcile(recorded, delete=delete)
+    for v in orphans:
+        if delete:
+            log.warning("deleted index version %d: no build record names it", v)
+        else:
+            log.warning("not serving index version %d: no build record names it", v)
+    return orphans
 
 
 def _params(info: Any) -> dict[str, Any]:
@@ -86,6 +119,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator
+    compaction = getattr(info, "compaction", None)
+    if compaction:  # what the compaction before the build removed
+        params["compaction"] = compaction
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,
@@ -95,4 +131,49 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
             seconds=seconds,
         )
     log.info("index version %s built: %d entries in %.1f s", info.version, info.entries, seconds)
+    purge_database_wal(sessions)
     return key
+
+
+def purge_database_wal(sessions: sessionmaker[Session]) -> None:
+    """SQLite: checkpoint and truncate the WAL, whose old pages may still hold the text of
+    documents forgotten since (``memlm.db.session.purge_wal``). Part of every build."""
+    bind = sessions.kw.get("bind")
+    if isinstance(bind, Engine) and bind.dialect.name == "sqlite" and not purge_wal(bind):
+        log.warning("a reader kept the SQLite WAL from being truncated; the next build retries")
+
+
+def run_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], stop: threading.Event, poll: float
+) -> None:
+    """Build queued requests until ``stop`` is set; polls every ``poll`` seconds when idle.
+
+    Runs beside the ingest loop (a thread of ``memlm worker`` and of the API's embedded
+    worker), so documents keep flowing during a build: the build works on a snapshot of
+    the datastore, and entries appended meanwhile join the fresh exact index that the new
+    version is served with.
+    """
+    while not stop.is_set():
+        try:
+            built = run_queued_build(engine, sessions)
+        except Exception:
+            log.exception("builder step failed; retrying after a pause")
+            built = None
+        if built is None:
+            stop.wait(poll)
+
+
+def start_builder(
+    engine: EngineLike, sessions: sessionmaker[Session], poll: float
+) -> tuple[threading.Thread, threading.Event]:
+    """Start :func:`run_builder` in a daemon thread; set the event to stop it.
+
+    Daemon: a process that exits mid-build leaves the request ``building`` with its lock
+    dropped, and the next start queues it again (builds write temp + ``os.replace``).
+    """
+    stop = threading.Event()
+    t = threading.Thread(
+        target=run_builder, args=(engine, sessions, stop, poll), name="memlm-builder", daemon=True
+    )
+    t.start()
+    return t, stop

@@ -7,12 +7,17 @@ exact fake in ``tests/fakes.py`` and the real :class:`memlm.engine.Engine` alike
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from memlm.settings import Settings
 
+log = logging.getLogger(__name__)
+
 EPOCH = dt.date(1970, 1, 1)
+# RandMem's rate when MEMLM_RANDMEM_RATE=monim but MoNIM measured nothing yet (the default).
+DEFAULT_RATE = 0.3
 
 
 def day_number(day: dt.date) -> int:
@@ -45,7 +50,9 @@ class EngineLike(Protocol):
 
     def reload_index(self) -> Any: ...
 
-    def forget_document(self, doc_id: int, text: str | None = None) -> int: ...
+    def forget_document(
+        self, doc_id: int, text: str | None = None, *, entries: range | None = None
+    ) -> int: ...
 
     def truncate_datastore(self, n: int) -> None: ...
 
@@ -78,7 +85,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         knn=knn,
         policy=settings.policy,
         delta=settings.delta,
-        rate=settings.randmem_rate,
+        rate=DEFAULT_RATE if settings.randmem_rate == "monim" else settings.randmem_rate,
         threads=settings.threads,
         encoder=encoder,
         gate_theta=settings.gate_theta,
@@ -99,3 +106,28 @@ def policy_factory(name: str, delta: float | None, params: dict[str, Any]) -> An
     from memlm.engine import make_policy  # heavy import, only once the engine is used
 
     return make_policy(name, delta=delta, **params)
+
+
+# The policies whose measured MemRate RandMem may copy (``rate: "monim"``).
+MONIM_POLICIES = ("monim", "monim-amt", "monim-kl")
+
+
+def policy_params(name: str, params: dict[str, Any], settings: Settings, session: Any) -> Any:
+    """The active policy row's params completed from the settings, for ``policy_factory``.
+
+    RandMem takes ``MEMLM_RANDMEM_RATE`` and ``MEMLM_RANDMEM_SEED`` unless the row names
+    its own; a rate of ``"monim"`` (in either) is the cumulative MemRate that the MoNIM
+    policies measured on this stream (``day_stats``), or the settings' numeric default
+    when they have not run yet.
+    """
+    if name != "randmem":
+        return dict(params)
+    out = {"rate": settings.randmem_rate, "seed": settings.randmem_seed, **params}
+    if out["rate"] == "monim":
+        from memlm.db.repositories import StatsRepository
+
+        measured = StatsRepository(session).memrate(MONIM_POLICIES)
+        if measured is None:
+            log.warning("RandMem at MoNIM's rate: MoNIM has not run; using %s", DEFAULT_RATE)
+        out["rate"] = DEFAULT_RATE if measured is None else measured
+    return out

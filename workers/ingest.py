@@ -24,10 +24,12 @@ when the process dies, so another worker can tell that a document left in
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,8 +47,8 @@ from memlm.db.repositories import (
 )
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
-from workers.builder import run_queued_build
-from workers.engine import EngineLike, day_number
+from workers.builder import reconcile_index, run_queued_build, start_builder
+from workers.engine import EngineLike, day_number, policy_params
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,28 @@ def worker_lock_path(settings: Settings, name: str) -> Path:
     return settings.workers_dir / f"{safe}.lock"
 
 
+def is_permanent(exc: BaseException) -> bool:
+    """Whether a try at a document failed because of the document itself (bad text).
+
+    Only the engine's own verdict on the text (``EngineInputError``) and text that cannot
+    be decoded are permanent. Everything else is retried a bounded number of times: the
+    passing failures a worker meets (a busy or locked database, a dropped connection, an
+    out-of-memory batch on the CPU or the GPU, EAGAIN, a lock held elsewhere, a race
+    between threads) raise many types, some of them ``ValueError`` or ``RuntimeError``;
+    failing a document for good costs an operator's retry, another try costs seconds.
+    """
+    if isinstance(exc, UnicodeError):
+        return True
+    engine = sys.modules.get("memlm.engine")  # loaded whenever the real engine raised
+    return engine is not None and isinstance(exc, engine.EngineInputError)
+
+
+def retry_delay(settings: Settings, failures: int) -> float:
+    """Seconds before the next try after ``failures`` failed ones: exponential, capped."""
+    base = settings.ingest_retry_backoff_seconds
+    return float(min(base * 2.0 ** (failures - 1), settings.ingest_retry_backoff_max_seconds))
+
+
 def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, _USER_ERRORS):
         return f"{type(exc).__name__}: {exc}"
@@ -101,7 +125,8 @@ def failure_reason(exc: BaseException) -> str:
 
 
 class IngestWorker:
-    """Memorises pending documents one at a time and runs queued index builds."""
+    """Memorises pending documents one at a time; queued index builds run in ``step``
+    (tests, one-shot use) or, under ``run``, in a builder thread beside the loop."""
 
     def __init__(
         self,
@@ -146,6 +171,8 @@ class IngestWorker:
                 f"datastore has {before} entries but committed documents own {end}: "
                 "the data directory does not match the database"
             )
+        # after the check above: a data directory that is not this database's keeps its files
+        reconcile_index(self.engine, self.sessions, delete=True)
         return Recovery(released, builds, before, end)
 
     def release_dead_claims(self, *, including_self: bool = False) -> int:
@@ -172,16 +199,21 @@ class IngestWorker:
 
     # --- work ------------------------------------------------------------------------------
 
-    def step(self, *, crash_at: str | None = None) -> Processed | str | None:
-        """One unit of work: a queued build first, else one document. None when idle."""
+    def step(self, *, crash_at: str | None = None, build: bool = True) -> Processed | str | None:
+        """One unit of work: a queued build first (``build``), else one document.
+
+        None when idle. ``run`` passes ``build=False``: its builder thread builds.
+        """
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at must be one of {CRASH_POINTS}")
-        built = run_queued_build(self.engine, self.sessions)
-        if built is not None:
-            return built
+        # Forgets first: a build then compacts their entries away and leaves them out.
         forgotten = self.apply_forget()
         if forgotten is not None:
             return forgotten
+        if build:
+            built = run_queued_build(self.engine, self.sessions)
+            if built is not None:
+                return built
         done = self.process_next(crash_at=crash_at)
         if done is None:  # idle: a good moment to look for documents a dead worker held
             self.release_dead_claims()
@@ -195,9 +227,13 @@ class IngestWorker:
                 return None
             doc_id, day, policy, stored = doc.id, doc.published_at, doc.policy, doc.tokens_stored
             text = doc.text
+            span = None
+            if doc.entry_start is not None and doc.entry_end is not None:
+                span = range(doc.entry_start, doc.entry_end)
         # Idempotent: a retry after a crash here hides nothing new, takes nothing out of the
-        # lexical statistics twice, and counts once below.
-        hidden = self.engine.forget_document(doc_id, text)
+        # lexical statistics twice, and counts once below. The text leaves the database in
+        # the same transaction as the counters (mark_forgotten).
+        hidden = self.engine.forget_document(doc_id, text, entries=span)
         if hidden not in (0, stored or 0):
             log.warning("document %d: %d entries hidden, %s recorded", doc_id, hidden, stored)
         with self.sessions.begin() as s:
@@ -210,10 +246,10 @@ class IngestWorker:
         row = PolicyRepository(s).get(
             default_policy=self.settings.policy, default_delta=self.settings.delta
         )
-        arg = (
-            self.policy_factory(row.policy, row.delta, row.params) if self.policy_factory else None
-        )
-        return row.policy, arg
+        if self.policy_factory is None:
+            return row.policy, None
+        params = policy_params(row.policy, row.params, self.settings, s)
+        return row.policy, self.policy_factory(row.policy, row.delta, params)
 
     def process_next(self, *, crash_at: str | None = None) -> Processed | None:
         with self.sessions.begin() as s:
@@ -248,24 +284,49 @@ class IngestWorker:
                         entry_end=int(result.end_entry),
                     )
                     StatsRepository(s).add_document(day, policy_name, seen, stored)
-            except Exception:
-                # The commit failed: the entries must not outlive it. Any worker's next
-                # append also cuts them; this handles a live database error now.
-                log.exception("commit of document %d failed; rolling the datastore back", doc_id)
-                self._cut_uncommitted()
-                with self.sessions.begin() as s:
-                    DocumentRepository(s).release(doc_id)
-                raise
+            except Exception as exc:
+                # The commit failed: the entries must not outlive it (_failed cuts them
+                # now; any worker's next append would too), and the document is retried.
+                log.warning("commit of document %d failed; rolling the datastore back", doc_id)
+                return self._failed(doc_id, exc)
         self.done += 1
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)
 
     def _failed(self, doc_id: int, exc: Exception) -> Processed:
-        log.error("document %d failed", doc_id, exc_info=exc)
+        """Record a failed try: failed for good (bad text, or no tries left), else retried.
+
+        The tries are counted in the database, so a restart does not reset them. When this
+        bookkeeping itself fails (the database is down), the exception leaves the step and
+        ``run`` puts the claim back in the queue.
+        """
         with self.engine.exclusive():
             self._cut_uncommitted()
+        reason = failure_reason(exc)
+        limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:
-            DocumentRepository(s).mark_failed(doc_id, failure_reason(exc))
-        return Processed(doc_id, "failed")
+            docs = DocumentRepository(s)
+            failures = (docs.get(doc_id).attempts or 0) + 1
+            if is_permanent(exc) or failures >= limit:
+                docs.mark_failed(doc_id, reason)
+                status = "failed"
+            else:
+                delay = retry_delay(self.settings, failures)
+                docs.retry_later(
+                    doc_id, reason, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
+                )
+                status = "retrying"
+        if status == "failed":
+            log.error("document %d failed (try %d of %d)", doc_id, failures, limit, exc_info=exc)
+        else:
+            log.warning(
+                "document %d: try %d of %d failed; retrying in %.1f s",
+                doc_id,
+                failures,
+                limit,
+                delay,
+                exc_info=exc,
+            )
+        return Processed(doc_id, status)
 
     def _cut_uncommitted(self) -> tuple[int, int]:
         """Cut entries no committed document owns (call inside ``engine.exclusive()``).
@@ -283,7 +344,11 @@ class IngestWorker:
         return before, end
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
-        """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle."""
+        """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle.
+
+        Index builds run in a builder thread beside this loop (``workers.builder``), so
+        ingest goes on during a build.
+        """
         while not self.lock.held:  # only a live worker of the same name holds it
             try:
                 self.lock.acquire(timeout=self.settings.worker_poll_seconds)
@@ -293,16 +358,20 @@ class IngestWorker:
                     return
         recovery = self.start()
         log.info("worker %s started: %s", self.name, recovery)
+        builder, stop_builder = start_builder(
+            self.engine, self.sessions, self.settings.worker_poll_seconds
+        )
         try:
             while not stop.is_set():
                 try:
-                    out = self.step(crash_at=crash_at)
+                    out = self.step(crash_at=crash_at, build=False)
                 except SimulatedCrash:
                     # A real kill, so the test sees exactly what a crash leaves behind.
                     os.kill(os.getpid(), signal.SIGKILL)
                     raise
                 except Exception:
                     log.exception("worker step failed; retrying after a pause")
+                    self._release_own_claim()
                     stop.wait(self.settings.worker_poll_seconds)
                     continue
                 if out is None:
@@ -310,7 +379,22 @@ class IngestWorker:
                 elif isinstance(out, Processed):
                     self._log_progress(out)
         finally:
+            stop_builder.set()
+            builder.join(timeout=self.settings.worker_poll_seconds)  # a build may take long
             self.lock.release()
+
+    def _release_own_claim(self) -> None:
+        """After a step that failed outside the per-document bookkeeping (the database was
+        unreachable even for recording the failure): put this worker's claim back in the
+        queue, so that the document does not wait for this worker's restart."""
+        try:
+            with self.sessions.begin() as s:
+                released = DocumentRepository(s).release_claims([self.name])
+        except Exception:
+            log.exception("could not put the claim of worker %s back; its restart will", self.name)
+            return
+        if released:
+            log.warning("put %d document(s) of this worker back in the queue", released)
 
     def _log_progress(self, p: Processed) -> None:
         with self.sessions() as s:
@@ -330,4 +414,4 @@ class IngestWorker:
                 left,
             )
         else:
-            log.info("document %d failed; %d pending", p.document_id, left)
+            log.info("document %d %s; %d pending", p.document_id, p.status, left)

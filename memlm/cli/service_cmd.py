@@ -232,6 +232,47 @@ def rebuild(
             raise typer.Exit(1)
 
 
+def compact(
+    build: bool = typer.Option(
+        True, "--build/--no-build", help="queue an index build afterwards (see below)"
+    ),
+) -> None:
+    """Remove forgotten documents' rows from the datastore files now.
+
+    Needs no model: takes the data directory's build lock, compacts the datastore as a
+    writer taking turns with the ingest workers, and truncates the SQLite WAL. The index
+    versions built before the forgets still hold those keys until the next build, which
+    deletes them: ``--build`` (the default) queues one. The nightly build compacts too.
+    """
+    from memlm.datastore import Datastore
+    from memlm.engine import BUILD_LOCK
+    from memlm.locks import FileLock
+    from workers.builder import enqueue_rebuild, purge_database_wal
+
+    settings = _settings()
+    sessions = _migrated_sessions(settings)
+    root = settings.datastore_dir
+    store = root / "datastore"
+    if not (store / "manifest.json").exists():
+        typer.echo(f"no datastore at {store}: nothing to compact")
+        return
+    with FileLock(root / BUILD_LOCK):
+        ds = Datastore.open(store, shared=True)
+        try:
+            done = ds.compact()
+            reclaimed = ds.bytes_reclaimed
+        finally:
+            ds.close()
+    purge_database_wal(sessions)
+    typer.echo(
+        f"compacted {done.segments} segments: {done.rows_removed} rows of forgotten documents "
+        f"removed, {done.bytes_reclaimed} bytes reclaimed ({reclaimed} over the store's life)"
+    )
+    if build:
+        row, created = enqueue_rebuild(sessions, requested_by="cli")
+        typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head")) -> None:
     """Migrate the database (MEMLM_DATABASE_URL) up to a revision."""
@@ -273,4 +314,5 @@ def register(app: typer.Typer) -> None:
     app.command("worker")(worker)
     app.command("scheduler")(scheduler)
     app.command("rebuild")(rebuild)
+    app.command("compact")(compact)
     app.add_typer(db_app, name="db")

@@ -115,6 +115,9 @@ class Document(Base):
     claimed_by: Mapped[str | None] = mapped_column(String(200))
     claimed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     processed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
+    # Failed tries so far (kept across restarts); a pending document waits for retry_at.
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retry_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime())
     policy: Mapped[str | None] = mapped_column(String(32))
     tokens_seen: Mapped[int | None] = mapped_column(Integer)
     tokens_stored: Mapped[int | None] = mapped_column(Integer)

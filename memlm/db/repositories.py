@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -112,9 +112,13 @@ class DocumentRepository:
         the same row. SQLite serialises writers; the guarded UPDATE below makes the claim a
         compare-and-set there too.
         """
+        now = utcnow()
         q = (
             select(Document.id)
-            .where(Document.status == "pending")
+            .where(
+                Document.status == "pending",
+                or_(Document.retry_at.is_(None), Document.retry_at <= now),
+            )
             .order_by(Document.published_at, Document.id)
             .limit(1)
         )
@@ -126,7 +130,7 @@ class DocumentRepository:
         claimed = self.s.execute(
             update(Document)
             .where(Document.id == doc_id, Document.status == "pending")
-            .values(status="processing", claimed_by=worker, claimed_at=utcnow())
+            .values(status="processing", claimed_by=worker, claimed_at=now)
         )
         if claimed.rowcount != 1:  # type: ignore[attr-defined]
             return None
@@ -173,7 +177,7 @@ class DocumentRepository:
         entry_end: int,
     ) -> None:
         doc.status = "done"
-        doc.error = None
+        doc.error = doc.retry_at = None
         doc.policy = policy
         doc.tokens_seen = tokens_seen
         doc.tokens_stored = tokens_stored
@@ -182,10 +186,34 @@ class DocumentRepository:
         doc.processed_at = utcnow()
 
     def mark_failed(self, doc_id: int, reason: str) -> None:
+        """A failed try that is the last one: the document stays failed until retried."""
         doc = self.get(doc_id)
         doc.status = "failed"
         doc.error = reason[:2000]
+        doc.attempts = (doc.attempts or 0) + 1
+        doc.retry_at = None
         doc.processed_at = utcnow()
+
+    def retry_later(self, doc_id: int, reason: str, at: dt.datetime) -> None:
+        """A failed try with tries left: back in the queue, claimable from ``at``."""
+        doc = self.get(doc_id)
+        doc.status = "pending"
+        doc.error = reason[:2000]
+        doc.attempts = (doc.attempts or 0) + 1
+        doc.retry_at = at
+        doc.claimed_by = doc.claimed_at = None
+
+    def requeue_failed(self, doc_id: int) -> Document:
+        """Put a failed document back in the queue with its tries counted from zero."""
+        doc = self.get(doc_id)
+        if doc.status != "failed":
+            raise Conflict(f"document {doc_id} is {doc.status}; only a failed one is retried")
+        doc.status = "pending"
+        doc.attempts = 0
+        doc.error = doc.retry_at = doc.processed_at = None
+        doc.claimed_by = doc.claimed_at = None
+        self.s.flush()
+        return doc
 
     def request_forget(self, doc_id: int) -> Document:
         """Ask to forget a document: one with entries goes to ``forgetting`` (the worker
@@ -196,18 +224,31 @@ class DocumentRepository:
         if doc.status in ("forgetting", "forgotten"):
             raise Conflict(f"document {doc_id} is already {doc.status}")
         doc.status = "forgetting" if doc.status == "done" else "forgotten"
+        if doc.status == "forgotten":  # nothing to take out of the memory: the text goes now
+            doc.text = ""
         return doc
+
+    def forgetting_ids(self) -> list[int]:
+        """Documents whose forget is requested and not yet applied (to hide at once)."""
+        q = select(Document.id).where(Document.status == "forgetting").order_by(Document.id)
+        return [int(i) for i in self.s.scalars(q)]
 
     def next_forget(self) -> Document | None:
         q = select(Document).where(Document.status == "forgetting").order_by(Document.id).limit(1)
         return self.s.scalars(q).first()
 
     def mark_forgotten(self, doc_id: int) -> bool:
-        """``forgetting`` -> ``forgotten``; False when another worker got there first."""
+        """``forgetting`` -> ``forgotten``; False when another worker got there first.
+
+        The text leaves the row (set to ""): the memory no longer needs it, and a
+        forgotten document keeps only its metadata (title, source, external id, dates,
+        counts, entry range) and its content hash, so the same text sent again is
+        answered as a duplicate of the forgotten document rather than memorised anew.
+        """
         res = self.s.execute(
             update(Document)
             .where(Document.id == doc_id, Document.status == "forgetting")
-            .values(status="forgotten")
+            .values(status="forgotten", text="")
         )
         return int(res.rowcount) == 1  # type: ignore[attr-defined]
 
@@ -248,6 +289,14 @@ class StatsRepository:
 
     def add_forgotten(self, day: dt.date, policy: str, entries: int) -> None:
         self._row(day, policy).entries_forgotten += entries
+
+    def memrate(self, policies: Sequence[str]) -> float | None:
+        """Cumulative MemRate (stored / seen) of these policies; None when they saw nothing."""
+        q = select(func.sum(DayStat.tokens_stored), func.sum(DayStat.tokens_seen)).where(
+            DayStat.policy.in_(list(policies))
+        )
+        stored, seen = self.s.execute(q).one()
+        return int(stored) / int(seen) if seen else None
 
     def per_day(self) -> Sequence[DayStat]:
         return self.s.scalars(select(DayStat).order_by(DayStat.day, DayStat.policy)).all()
@@ -332,6 +381,13 @@ class BuildRepository:
             .limit(1)
         )
         return self.s.scalars(q).first()
+
+    def recorded_versions(self) -> set[int]:
+        """The index versions of finished builds: the only ones that may be served."""
+        q = select(IndexBuild.version).where(
+            IndexBuild.status == "done", IndexBuild.version.is_not(None)
+        )
+        return {int(v) for v in self.s.scalars(q) if v is not None and v.isdigit()}
 
     def recent(self, n: int = 10) -> Sequence[IndexBuild]:
         return self.s.scalars(select(IndexBuild).order_by(IndexBuild.id.desc()).limit(n)).all()

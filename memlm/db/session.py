@@ -21,6 +21,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
+            # A forgotten document's text must leave the file: freed cells and pages are
+            # zeroed, not left for a later write to overwrite (see purge_wal).
+            cur.execute("PRAGMA secure_delete=ON")
             cur.close()
             # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin, so
             # SAVEPOINTs work (SQLAlchemy's documented pysqlite recipe).
@@ -34,6 +37,26 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def purge_wal(engine: Engine) -> bool:
+    """SQLite: checkpoint the WAL into the database and truncate it to 0 bytes, so old
+    page images (a forgotten document's text among them) leave the -wal file too.
+
+    Returns False when a reader kept the checkpoint from finishing (the next call does it)
+    and on PostgreSQL, where an updated row's old version stays until VACUUM reclaims it.
+    Runs outside any transaction, on its own DBAPI connection.
+    """
+    if engine.dialect.name != "sqlite":
+        return False
+    raw = engine.raw_connection()
+    try:
+        cur = raw.cursor()
+        busy, _, _ = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        cur.close()
+    finally:
+        raw.close()
+    return busy == 0
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

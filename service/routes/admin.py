@@ -1,4 +1,4 @@
-"""Admin routes (admin bearer token): stats, rebuild, policy, forget."""
+"""Admin routes (admin bearer token): stats, rebuild, policy, forget, retry."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from starlette.concurrency import run_in_threadpool
 
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository, DocumentRepository, PolicyRepository
-from service.deps import AdminAuth, DbSession, EngineDep, State
+from service.deps import AdminAuth, DbSession, EngineDep, RowId, State
+from service.errors import error_responses
 from service.routes.documents import document_out
 from service.schemas import (
     BuildOut,
@@ -20,7 +21,9 @@ from service.schemas import (
 from service.stats import policy_out, read_db, summarise
 from workers.builder import enqueue_rebuild
 
-router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[AdminAuth])
+router = APIRouter(
+    prefix="/admin", tags=["admin"], dependencies=[AdminAuth], responses=error_responses(401)
+)
 
 
 def build_out(b: IndexBuild) -> BuildOut:
@@ -33,7 +36,12 @@ def build_out(b: IndexBuild) -> BuildOut:
     return BuildOut.model_validate(data)
 
 
-@router.get("/stats", response_model=StatsResponse, summary="MemRate, entries, index, documents")
+@router.get(
+    "/stats",
+    response_model=StatsResponse,
+    responses=error_responses(429, 503),
+    summary="MemRate, entries, index, documents",
+)
 async def stats(state: State, engine: EngineDep) -> StatsResponse:
     def db() -> dict[str, object]:
         with state.sessions.begin() as s:
@@ -50,6 +58,7 @@ async def stats(state: State, engine: EngineDep) -> StatsResponse:
     "/rebuild",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=BuildOut,
+    responses=error_responses(400, 413, 422),
     summary="Request an index build (idempotent)",
 )
 def rebuild(state: State, body: RebuildRequest | None = None) -> BuildOut:
@@ -57,8 +66,13 @@ def rebuild(state: State, body: RebuildRequest | None = None) -> BuildOut:
     return build_out(row)
 
 
-@router.get("/builds/{build_id}", response_model=BuildOut, summary="An index build's status")
-def get_build(build_id: int, session: DbSession) -> BuildOut:
+@router.get(
+    "/builds/{build_id}",
+    response_model=BuildOut,
+    responses=error_responses(404, 422),
+    summary="An index build's status",
+)
+def get_build(build_id: RowId, session: DbSession) -> BuildOut:
     return build_out(BuildRepository(session).get(build_id))
 
 
@@ -70,7 +84,12 @@ def get_policy(state: State, session: DbSession) -> PolicyOut:
     )
 
 
-@router.put("/policy", response_model=PolicyOut, summary="Change the policy for new documents")
+@router.put(
+    "/policy",
+    response_model=PolicyOut,
+    responses=error_responses(400, 413, 422),
+    summary="Change the policy for new documents",
+)
 def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
     return policy_out(PolicyRepository(session).set(body.policy, body.delta, body.params))
 
@@ -79,8 +98,26 @@ def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
     "/documents/{doc_id}",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=DocumentOut,
+    responses=error_responses(400, 404, 409, 413, 422),
     summary="Forget a document: its entries leave the memory",
 )
-def forget(doc_id: int, session: DbSession) -> DocumentOut:
-    """A done document becomes ``forgetting`` until the worker hides its entries."""
-    return document_out(DocumentRepository(session).request_forget(doc_id))
+def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
+    """A done document becomes ``forgetting`` until the worker deletes its entries; this
+    process stops serving them at once (others at their next index sync)."""
+    doc = DocumentRepository(session).request_forget(doc_id)
+    hide = getattr(state.engine, "hide_documents", None)
+    if hide is not None and doc.status == "forgetting":
+        hide([doc_id])
+    return document_out(doc)
+
+
+@router.post(
+    "/documents/{doc_id}/retry",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=DocumentOut,
+    summary="Queue a failed document again",
+)
+def retry(doc_id: RowId, session: DbSession) -> DocumentOut:
+    """A failed document goes back to ``pending`` with its tries counted from zero;
+    404 when it does not exist, 409 when it is not failed."""
+    return document_out(DocumentRepository(session).requeue_failed(doc_id))

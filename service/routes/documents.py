@@ -6,8 +6,8 @@ from fastapi import APIRouter, status
 
 from memlm.db.models import Document
 from memlm.db.repositories import DocumentRepository, NewDocument
-from service.deps import DbSession, IngestAuth, ReadAuth, State
-from service.errors import PayloadTooLarge
+from service.deps import DbSession, IngestAuth, ReadAuth, RowId, State
+from service.errors import PayloadTooLarge, error_responses
 from service.schemas import AcceptedDocument, DocumentOut, IngestRequest, IngestResponse
 
 router = APIRouter(tags=["documents"])
@@ -18,6 +18,7 @@ router = APIRouter(tags=["documents"])
     status_code=status.HTTP_202_ACCEPTED,
     response_model=IngestResponse,
     dependencies=[IngestAuth],
+    responses=error_responses(400, 401, 413, 422),
     summary="Queue documents for memorisation",
 )
 def ingest(body: IngestRequest, session: DbSession, state: State) -> IngestResponse:
@@ -57,7 +58,8 @@ def ingest(body: IngestRequest, session: DbSession, state: State) -> IngestRespo
 def document_out(d: Document) -> DocumentOut:
     fields = ("id", "status", "source", "external_id", "title", "published_at", "created_at")
     more = ("processed_at", "error", "policy", "tokens_seen", "tokens_stored")
-    data = {name: getattr(d, name) for name in (*fields, *more, "entry_start", "entry_end")}
+    tries = ("attempts", "retry_at")
+    data = {name: getattr(d, name) for name in (*fields, *more, "entry_start", "entry_end", *tries)}
     return DocumentOut.model_validate({**data, "metadata": d.meta})
 
 
@@ -65,7 +67,8 @@ def document_out(d: Document) -> DocumentOut:
     "/documents/{doc_id}",
     response_model=DocumentOut,
     dependencies=[ReadAuth],
+    responses=error_responses(401, 404, 422),
     summary="A document's status and what was stored",
 )
-def get_document(doc_id: int, session: DbSession) -> DocumentOut:
+def get_document(doc_id: RowId, session: DbSession) -> DocumentOut:
     return document_out(DocumentRepository(session).get(doc_id))

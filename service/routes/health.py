@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.deps import State
+from service.errors import error_responses
 from service.schemas import Health
 
 router = APIRouter(tags=["health"])
@@ -24,7 +25,7 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Health,
-    responses={503: {"description": "model or index not loaded yet"}},
+    responses=error_responses(503),
     summary="Model and index loaded",
 )
 def readyz(state: State) -> Response:

@@ -15,7 +15,7 @@ from memlm.db.repositories import DocumentRepository, PolicyRepository
 from memlm.knnlm import MemoryOptions
 from memlm.settings import Settings
 from service.deps import EngineDep, ReadAuth, State
-from service.errors import PayloadTooLarge
+from service.errors import PayloadTooLarge, error_responses
 from service.provenance import neighbours_out
 from service.schemas import (
     MemoryOptionsIn,
@@ -28,6 +28,7 @@ from service.schemas import (
     WordSuggestionOut,
 )
 from service.state import AppState
+from workers.engine import policy_params
 
 router = APIRouter(tags=["inference"])
 
@@ -134,6 +135,7 @@ def _check_size(state: AppState, text: str, name: str) -> None:
     response_model=PredictResponse,
     response_model_by_alias=True,
     dependencies=[ReadAuth],
+    responses=error_responses(400, 401, 413, 422, 429, 503),
     summary="Next-token suggestions with the memory's neighbours",
 )
 async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
@@ -194,6 +196,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
     "/score",
     response_model=ScoreResponse,
     dependencies=[ReadAuth],
+    responses=error_responses(400, 401, 413, 422, 429, 503),
     summary="Per-token log-probabilities and what the policy would store",
 )
 async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreResponse:
@@ -211,7 +214,10 @@ async def score(body: ScoreRequest, state: State, engine: EngineDep) -> ScoreRes
                 default_policy=state.settings.policy, default_delta=state.settings.delta
             )
             factory = state.policy_factory
-            return row.policy, factory(row.policy, row.delta, row.params) if factory else None
+            if factory is None:
+                return row.policy, None
+            params = policy_params(row.policy, row.params, state.settings, s)
+            return row.policy, factory(row.policy, row.delta, params)
 
     name, policy = await run_in_threadpool(active_policy)
     memory = memory_options(body, state.settings)

@@ -1,0 +1,175 @@
+"""One engine driven from several threads at once, against single-threaded oracles.
+
+The API executor, the in-process ingest worker and the builder share one model. Every
+forward's keys must stay its own: stored keys equal a clean re-encode of their document,
+and every predict / score equals what a single thread computes on the same memory.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memlm.encoder import Encoder, WindowConfig
+from memlm.engine import Engine
+from memlm.knnlm import KnnParams
+
+WORDS = ["harbour", "ferry", "council", "minister", "budget", "election", "storm", "river", "bank", "market", "price", "oil", "gas", "court", "judge", "police", "report", "school", "hospital", "train", "station", "airport", "strike", "union", "vote"]
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    # ~100-700 characters each, like the reported scenario's contexts
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 110))).capitalize() + "."
+        for _ in range(n)
+    ]
+
+
+def _run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(targets))
+
+    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            start.wait()
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        return run
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return errors
+
+
+@pytest.fixture(scope="module", params=["tiny-gpt2", "tiny-llama"])
+def encoder(request):
+    return Encoder.load(request.param, threads=1)
+
+
+def _engine(path: Path, encoder: Encoder) -> Engine:
+    # small windows, so documents span several windows and batches get padded
+    return Engine.open(
+        path,
+        encoder=encoder,
+        policy="fullmem",
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.3),
+        window=WindowConfig(context=32, stride=16, batch_size=3),
+    )
+
+
+def test_ingest_predict_score_threads_match_single_threaded_oracles(tmp_path, encoder):
+    docs = _texts(24, seed=1)
+    queries = _texts(12, seed=2)
+    eng = _engine(tmp_path / "live", encoder)
+    # oracles, one thread, before any concurrency: keys of every document, and the LM part
+    # of every query's prediction and score (independent of what the memory holds)
+    clean = {
+        i: eng.encoder.encode_ids(eng.encoder.tokenize(t), eng.window) for i, t in enumerate(docs)
+    }
+    lm_pred = {q: eng.predict(q, top_n=5) for q in queries}
+    lm_score = {q: eng.score(q, policy="fullmem") for q in queries}
+
+    stored: dict[int, tuple[int, int]] = {}
+    lock = threading.Lock()
+
+    def ingest(part: list[int]) -> Callable[[], None]:
+        def run() -> None:
+            for i in part:
+                r = eng.process_document(i, docs[i], 19000 + i, policy="fullmem")
+                with lock:
+                    stored[i] = (r.first_entry, r.end_entry)
+
+        return run
+
+    mismatches: list[str] = []
+
+    def reads(seed: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(seed)
+            for _ in range(15):
+                q = rng.choice(queries)
+                if rng.random() < 0.5:
+                    batch = rng.sample(queries, 3) + [q]
+                    for qq, p in zip(batch, eng.predict_batch(batch, top_n=5), strict=True):
+                        want = {s.token_id: s.lm_prob for s in lm_pred[qq].suggestions}
+                        for s in p.suggestions:
+                            # LM probabilities of whatever the memory ranked on top
+                            if s.token_id in want and abs(s.lm_prob - want[s.token_id]) > 1e-5:
+                                mismatches.append(f"predict {qq[:20]!r}: {s.token_id}")
+                        assert p.context_tokens == len(eng.encoder.tokenize(qq))
+                else:
+                    s = eng.score(q, policy="fullmem")
+                    if not np.allclose(s.lm_logprobs, lm_score[q].lm_logprobs, atol=1e-5):
+                        mismatches.append(f"score {q[:20]!r}")
+
+        return run
+
+    errors = _run_threads(
+        [ingest(list(range(0, 24, 2))), ingest(list(range(1, 24, 2)))]
+        + [reads(s) for s in range(4)]
+    )
+    assert errors == []
+    assert mismatches == []
+    assert sorted(stored) == list(range(24))
+    total = 0
+    for i, (a, b) in stored.items():
+        want = clean[i]
+        assert b - a == len(want)
+        keys = eng.datastore.keys(np.arange(a, b)).astype(np.float32)
+        np.testing.assert_allclose(keys, want.keys.astype(np.float16), atol=2e-3, rtol=2e-3)
+        docs_, pos, _ = eng.datastore.provenance(np.arange(a, b))
+        assert set(docs_.tolist()) == {i} and pos.tolist() == want.positions.tolist()
+        assert eng.datastore.values(np.arange(a, b)).tolist() == want.targets.tolist()
+        total += b - a
+    assert len(eng.datastore) == total
+
+
+def test_reads_on_a_fixed_memory_equal_one_thread_exactly(tmp_path, encoder):
+    """With the memory fixed, concurrent predicts and scores return exactly what one
+    thread returns: suggestions, lambdas, neighbours and per-token scores."""
+    eng = _engine(tmp_path / "fixed", encoder)
+    for i, t in enumerate(_texts(10, seed=3)):
+        eng.process_document(i, t, 19000, policy="fullmem")
+    queries = _texts(8, seed=4)
+    want_p = {q: eng.predict(q, top_n=5, neighbours=3) for q in queries}
+    want_s = {q: eng.score(q, policy="monim") for q in queries}
+    bad: list[str] = []
+
+    def reads(seed: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(seed)
+            for _ in range(12):
+                q = rng.choice(queries)
+                p = eng.predict(q, top_n=5, neighbours=3)
+                w = want_p[q]
+                if [s.token_id for s in p.suggestions] != [s.token_id for s in w.suggestions]:
+                    bad.append(f"predict ranks {q[:20]!r}")
+                elif not np.allclose(
+                    [s.prob for s in p.suggestions], [s.prob for s in w.suggestions], atol=1e-6
+                ):
+                    bad.append(f"predict probs {q[:20]!r}")
+                if [n.entry_id for n in p.neighbours] != [n.entry_id for n in w.neighbours]:
+                    bad.append(f"neighbours {q[:20]!r}")
+                s = eng.score(q, policy="monim")
+                if not np.allclose(s.logprobs, want_s[q].logprobs, atol=1e-6):
+                    bad.append(f"score {q[:20]!r}")
+                if s.would_store != want_s[q].would_store:
+                    bad.append(f"would_store {q[:20]!r}")
+
+        return run
+
+    assert _run_threads([reads(s) for s in range(4)]) == []
+    assert bad == []

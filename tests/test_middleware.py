@@ -1,0 +1,82 @@
+"""The ASGI middleware behind a real uvicorn server: a 500 leaves the connection usable."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from service.app import create_app
+from tests.fakes import FakeEngine
+from tests.service_helpers import make_settings
+
+
+def _by_name(name: str, delta: float | None, params: dict[str, Any]) -> str:
+    return name
+
+
+@pytest.fixture
+def server(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[str, FakeEngine]]:
+    """The app over the fake engine, served by uvicorn on 127.0.0.1 from a thread."""
+    engine = FakeEngine()
+    settings = make_settings(tmp_path, sqlite_url)
+    app = create_app(settings, engine=engine, policy_factory=_by_name, run_worker=False, poll=False)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
+    srv = uvicorn.Server(config)
+    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        srv.should_exit = True
+        t.join(timeout=20)
+        sock.close()
+
+
+def _local_port(r: httpx.Response) -> int:
+    """The client-side port of the TCP connection that carried ``r``."""
+    stream = r.extensions["network_stream"]
+    return int(stream.get_extra_info("client_addr")[1])
+
+
+def test_a_500_keeps_the_keep_alive_connection(
+    server: tuple[str, FakeEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before CatchAll, Starlette re-raised after its 500 and uvicorn closed the socket."""
+    url, engine = server
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("secret path /etc/shadow")
+
+    monkeypatch.setattr(engine, "score", boom)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with caplog.at_level(logging.ERROR), httpx.Client(base_url=url, limits=limits) as client:
+        first = client.get("/healthz")
+        r = client.post("/score", json={"text": "a b"})
+        assert r.status_code == 500
+        assert r.json() == {"error": "internal_error", "detail": "internal server error"}
+        assert r.headers.get("connection") != "close"
+        after = client.get("/healthz")
+        assert after.status_code == 200
+        # one TCP connection carried all three requests
+        assert _local_port(first) == _local_port(r) == _local_port(after)
+    logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert [rec.getMessage() for rec in logged] == ["unhandled error on POST /score"]
+    assert "Exception in ASGI application" not in caplog.text
