@@ -42,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT_CHARS = 600  # about 128 tokens of English news for the bundled tokenizer
+KEEP_ALIVE_S = 4.0  # reconnect after this long idle: uvicorn closes idle connections at 5 s
 
 
 def load_average() -> str:
@@ -81,6 +82,7 @@ class Level:
     latencies: list[float] = field(default_factory=list)  # seconds, 200s only
     health: list[float] = field(default_factory=list)
     retry_after: list[int] = field(default_factory=list)
+    other_codes: dict[int, int] = field(default_factory=dict)  # status (0: no answer): count
     seconds: float = 0.0  # first request to last answer
     load: str = ""
     cpu_client: float = 0.0  # CPU seconds of this process during the level
@@ -204,8 +206,11 @@ class Conn:
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.used = 0.0
 
     async def send(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
+        if self.writer is not None and time.monotonic() - self.used > KEEP_ALIVE_S:
+            self.close()  # uvicorn has closed it by now (timeout_keep_alive, 5 s)
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
@@ -220,11 +225,13 @@ class Conn:
             k, _, v = line.decode().partition(":")
             headers[k.strip().lower()] = v.strip()
         await self.reader.readexactly(int(headers.get("content-length", "0")))
+        self.used = time.monotonic()
         return status, headers
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        self.reader = self.writer = None
 
 
 async def run_level(
@@ -274,6 +281,7 @@ async def run_level(
                     await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
             else:
                 level.other += 1
+                level.other_codes[code] = level.other_codes.get(code, 0) + 1
 
     async def health() -> None:
         while time.monotonic() < stop:
@@ -342,6 +350,11 @@ async def bench(checkout: Path, args: argparse.Namespace, label: str) -> list[Le
 def table(label: str, levels: list[Level]) -> str:
     peak = max((lv.ok / lv.seconds if lv.seconds else 0.0) for lv in levels)
     lines = [f"{label}", HEADER, *(lv.row() for lv in levels)]
+    for lv in levels:
+        if lv.other_codes:
+            lines.append(
+                f"{lv.clients} clients, other answers by status (0: none): {lv.other_codes}"
+            )
     last = levels[-1]
     rate = last.ok / last.seconds if last.seconds else 0.0
     lines.append(
