@@ -164,17 +164,6 @@ class ModelExecutor:
     def _slot_refusal(self, now: float) -> Overloaded | None:
         """Why a new request gets no slot now, or None (lock held)."""
         per = self.times.per_cost(REQUEST)
-        cap = self.queue_size + self.max_batch  # waiting + running: more cannot be queued
-        if self._in_flight >= cap:
-            # refused here, before the body is parsed: a refusal must cost next to nothing
-            # when clients retry at once
-            ahead = self._in_flight * per if per is not None else self._ahead(now)
-            retry = max(self.min_retry_after, math.ceil(ahead))
-            return Overloaded(
-                f"the server is busy: {self._in_flight} requests in flight (at most {cap}); "
-                f"retry in {retry} s",
-                retry_after=retry,
-            )
         if self._in_flight == 0 or per is None:
             return None
         if (self._in_flight + 1) * per <= self.budget_s:

@@ -265,24 +265,6 @@ def test_request_slots_by_requests_in_flight_times_seconds_per_request() -> None
         ex.close()
 
 
-def test_request_slots_are_capped_at_the_queue_plus_a_batch() -> None:
-    ex = ModelExecutor(queue_size=2, max_batch=1, budget_s=100.0, clock=Clock())
-    try:
-        slots = [ex.request() for _ in range(3)]
-        for slot in slots:  # never timed: only the cap applies
-            slot.__enter__()
-        with pytest.raises(Overloaded) as info, ex.request():
-            pass
-        assert (
-            str(info.value) == "the server is busy: 3 requests in flight (at most 3); retry in 1 s"
-        )
-        slots[0].__exit__(None, None, None)
-        with ex.request():
-            assert ex.in_flight() == 3
-    finally:
-        ex.close()
-
-
 # --- micro-batching ---------------------------------------------------------------------------
 
 
