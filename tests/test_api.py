@@ -704,6 +704,7 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
         "GET /admin/policy": [401, 500],
         "PUT /admin/policy": sorted([*body, *auth, 422, 500]),
         "DELETE /admin/documents/{doc_id}": sorted([*body, *auth, 404, 409, 422, 500]),
+        "POST /admin/documents/{doc_id}/retry": sorted([*body, *auth, 404, 409, 422, 500]),
         "GET /healthz": [500],
         "GET /readyz": [500, 503],
         "GET /metrics": [500],
