@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app, sync_index
 from tests.fakes import VOCAB, FakeEngine
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from workers.ingest import IngestWorker
 
 
@@ -70,10 +70,10 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     assert r.status_code == 202
     [accepted] = r.json()["documents"]
     assert accepted["status"] == "pending"
-    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "pending"
+    assert c.get(f"/documents/{accepted['id']}", headers=INGEST).json()["status"] == "pending"
 
     assert env.drain() == 1
-    d = c.get(f"/documents/{accepted['id']}").json()
+    d = c.get(f"/documents/{accepted['id']}", headers=INGEST).json()
     assert (d["status"], d["tokens_seen"], d["tokens_stored"]) == ("done", 5, 5)
     assert (d["entry_start"], d["entry_end"], d["policy"]) == (0, 5, "monim")
 
@@ -86,7 +86,7 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     assert build["params"] == {"kind": "flat"}  # the fake's index parameters
     assert build["calibrator"] is None and build["started_at"] <= build["finished_at"]
 
-    after = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
+    after = c.post("/predict", headers=READ, json={"context": "we saw the", "neighbours": 5}).json()
     assert after["lambda"] == 0.5
     assert after["index_version"] == "1"
     probs = {s["token"]: s for s in after["suggestions"]}
@@ -99,7 +99,12 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
         (accepted["id"], "mat", 5),
     ]
     assert nbrs[0]["title"] == "Cats" and nbrs[0]["published_at"] == "2017-02-07"
-    assert "the cat sat" in nbrs[0]["snippet"]
+    # the spans stored at ingest mark the very word; the engine tokenised nothing here
+    assert [n["snippet"] for n in nbrs] == [
+        "the [[cat]] sat on the mat",
+        "the cat sat on the [[mat]]",
+    ]
+    assert env.engine.span_calls == []
 
     s = c.post("/score", json={"text": "the cat ran"}).json()
     assert s["tokens"] == ["the", "cat", "ran"]
@@ -119,7 +124,7 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     r = c.delete(f"/admin/documents/{accepted['id']}", headers=ADMIN)
     assert r.status_code == 202 and r.json()["status"] == "forgetting"
     assert env.drain() == 1
-    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "forgotten"
+    assert c.get(f"/documents/{accepted['id']}", headers=INGEST).json()["status"] == "forgotten"
     st = c.get("/admin/stats", headers=ADMIN).json()
     assert (st["entries"], st["tokens_stored"], st["entries_forgotten"]) == (0, 5, 5)
     assert st["entries"] == st["tokens_stored"] - st["entries_forgotten"]
@@ -203,7 +208,7 @@ def test_failed_document_is_marked_and_does_not_stop_the_queue(env: Env) -> None
         ).json()["documents"]
     ]
     assert env.drain() == 2
-    bad, good = (c.get(f"/documents/{i}").json() for i in ids)
+    bad, good = (c.get(f"/documents/{i}", headers=INGEST).json() for i in ids)
     assert bad["status"] == "failed"
     assert bad["error"] == "ValueError: cannot encode the word 'poison'"
     assert good["status"] == "done"
@@ -242,7 +247,7 @@ def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
     before_put = c.get("/admin/policy", headers=ADMIN).json()
     assert any_env.drain() == 2
     after_put = c.put("/admin/policy", headers=ADMIN, json={"policy": "fullmem"}).json()
-    d = c.get(f"/documents/{accepted['id']}").json()
+    d = c.get(f"/documents/{accepted['id']}", headers=INGEST).json()
     b = c.get(f"/admin/builds/{build_id}", headers=ADMIN).json()
     st = c.get("/admin/stats", headers=ADMIN).json()
     t1 = dt.datetime.now(dt.UTC)
@@ -295,7 +300,10 @@ def test_iso_datetime_is_accepted_as_its_date(env: Env) -> None:
         "/ingest", headers=INGEST, json={"documents": [doc("ok", day="2017-02-07T23:10:00Z")]}
     )
     doc_id = r.json()["documents"][0]["id"]
-    assert env.client.get(f"/documents/{doc_id}").json()["published_at"] == "2017-02-07"
+    assert (
+        env.client.get(f"/documents/{doc_id}", headers=INGEST).json()["published_at"]
+        == "2017-02-07"
+    )
 
 
 def test_invalid_utf8_and_invalid_json(env: Env) -> None:
@@ -389,7 +397,7 @@ def test_predict_and_score_validation(env: Env) -> None:
     assert r.status_code == 422
     assert "tau applies only with local_memory or long_memory" in r.json()["detail"]
     assert c.post("/score", json={"text": "a b", "local_memory": True, "tau": 0}).status_code == 422
-    assert c.get("/documents/999").json() == {
+    assert c.get("/documents/999", headers=INGEST).json() == {
         "error": "not_found",
         "detail": "document 999 does not exist",
     }

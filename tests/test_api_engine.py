@@ -80,7 +80,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
             "/ingest", headers=INGEST, json={"documents": [doc(TEXT, title="Rates")]}
         ).json()["documents"]
         assert env.drain() == 1
-        d = c.get(f"/documents/{acc['id']}").json()
+        d = c.get(f"/documents/{acc['id']}", headers=INGEST).json()
         n_tokens = len(env.engine.encoder.tokenize(TEXT))
         assert d["status"] == "done" and d["tokens_seen"] == n_tokens - 1
         # A random model is surprised by every token: MoNIM (delta -1.5) stores them all.

@@ -41,6 +41,7 @@ from memlm.db.repositories import (
     BuildRepository,
     DocumentRepository,
     PolicyRepository,
+    SpanRepository,
     StatsRepository,
 )
 from memlm.locks import FileLock, LockBusy, held_elsewhere
@@ -248,6 +249,8 @@ class IngestWorker:
                         entry_end=int(result.end_entry),
                     )
                     StatsRepository(s).add_document(day, policy_name, seen, stored)
+                    # snippet offsets commit with the document (None from engines without)
+                    SpanRepository(s).put(doc_id, getattr(prepared, "char_spans", None))
             except Exception:
                 # The commit failed: the entries must not outlive it. Any worker's next
                 # append also cuts them; this handles a live database error now.

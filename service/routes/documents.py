@@ -6,7 +6,7 @@ from fastapi import APIRouter, status
 
 from memlm.db.models import Document
 from memlm.db.repositories import DocumentRepository, NewDocument
-from service.deps import DbSession, IngestAuth, ReadAuth, State
+from service.deps import DbSession, IngestAuth, State
 from service.errors import PayloadTooLarge
 from service.schemas import AcceptedDocument, DocumentOut, IngestRequest, IngestResponse
 
@@ -64,7 +64,7 @@ def document_out(d: Document) -> DocumentOut:
 @router.get(
     "/documents/{doc_id}",
     response_model=DocumentOut,
-    dependencies=[ReadAuth],
+    dependencies=[IngestAuth],  # ids are sequential: open, it would list every document
     summary="A document's status and what was stored",
 )
 def get_document(doc_id: int, session: DbSession) -> DocumentOut:
