@@ -47,6 +47,25 @@ def test_default_secret_refused_outside_development() -> None:
     assert not ok.uses_default_secret()
 
 
+def test_reads_are_protected_outside_development_unless_opened() -> None:
+    tokens = {"ingest_token": "i", "admin_token": "a"}
+    assert not make().reads_protected
+    assert make(protect_read=True).reads_protected
+    for env in ("test", "production"):
+        assert make(env=env, **tokens).reads_protected
+        assert not make(env=env, protect_read=False, **tokens).reads_protected
+    assert make(**tokens).read_tokens() == ["i", "a"]
+    assert make(read_token="r", **tokens).read_tokens() == ["r", "i", "a"]
+
+
+def test_read_token_is_checked_like_the_others() -> None:
+    with pytest.raises(ValidationError, match="MEMLM_READ_TOKEN is the development default"):
+        make(env="production", ingest_token="i", admin_token="a", read_token=DEFAULT_SECRET)
+    with pytest.raises(ValidationError, match="MEMLM_READ_TOKEN is empty"):
+        make(read_token="")
+    assert make(read_token=DEFAULT_SECRET).uses_default_secret()  # development: a warning
+
+
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
@@ -56,6 +75,7 @@ def test_default_secret_refused_outside_development() -> None:
         ("queue_size", 0, "greater than or equal to 1"),
         ("knn_lambda", 1.5, "less than or equal to 1"),
         ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
+        ("max_neighbours", 1001, "less than or equal to 1000"),
     ],
 )
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:
