@@ -276,9 +276,9 @@ class Engine:
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
         spans = self.char_spans(text)
-        if len(spans) != len(token_ids):  # offsets of another tokenisation: useless
-            log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
         ok = len(spans) == len(token_ids)
+        if not ok:  # offsets of another tokenisation would mark the wrong characters
+            log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
         return PreparedDocument(
             doc_id, day, token_ids, out, pol.decide(scores), spans if ok else None
         )

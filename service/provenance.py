@@ -2,9 +2,9 @@
 
 A snippet is a slice of the document's text at the character span of the neighbour's
 token. The spans of every token are stored at ingest (``document_spans``, committed with
-the document), so answering costs a database read, not a tokenisation. Documents
-memorised before spans were stored are tokenised once here, in a worker thread (never
-on the event loop), and their spans kept in a bounded cache.
+the document), so answering costs a database read, not a tokenisation, and recently named
+documents' spans stay in a bounded cache. Documents memorised before spans were stored
+are tokenised once here, in a worker thread (never on the event loop).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from service.schemas import NeighbourOut
 log = logging.getLogger(__name__)
 
 SNIPPET_CHARS = 240  # about two lines either side of the token
-# Spans cached for documents without stored ones: 4M tokens (32 MB as int32 pairs), about
-# 80 documents of 200k characters, more than one request's 100 neighbours can name.
+# Spans cached: 4M tokens (32 MB as int32 pairs), about 80 documents of 200k characters.
 SPAN_CACHE_TOKENS = 1 << 22
 
 
@@ -45,9 +44,10 @@ def snippet(text: str, start: int, end: int, width: int = SNIPPET_CHARS) -> str:
 
 
 class SpanCache:
-    """Token spans of documents that have none stored, computed once (least recently used
-    go first). Called from worker threads: the dictionary is guarded; two threads that
-    miss the same document at once both tokenise it, which is harmless."""
+    """Token spans of recently named documents: read from ``document_spans``, or computed
+    once for documents that have none stored (least recently used go first). Called from
+    worker threads: the dictionary is guarded; two threads that miss the same document at
+    once both read or tokenise it, which is harmless."""
 
     def __init__(
         self, char_spans: Callable[[str], np.ndarray] | None, max_tokens: int = SPAN_CACHE_TOKENS
@@ -58,24 +58,31 @@ class SpanCache:
         self._tokens = 0
         self._lock = threading.Lock()
 
-    def get(self, doc: Document) -> np.ndarray | None:
-        """The document's (n, 2) spans; None when the engine cannot tell them."""
+    def cached(self, doc_id: int) -> np.ndarray | None:
         with self._lock:
-            hit = self._spans.get(doc.id)
+            hit = self._spans.get(doc_id)
             if hit is not None:
-                self._spans.move_to_end(doc.id)
-                return hit
-        if self.char_spans is None:
-            return None
-        spans = np.asarray(self.char_spans(doc.text), dtype=np.int32).reshape(-1, 2)
+                self._spans.move_to_end(doc_id)
+            return hit
+
+    def put(self, doc_id: int, spans: np.ndarray) -> np.ndarray:
+        spans = np.asarray(spans, dtype=np.int32).reshape(-1, 2)
         with self._lock:
-            if doc.id not in self._spans:
-                self._spans[doc.id] = spans
+            if doc_id not in self._spans:
+                self._spans[doc_id] = spans
                 self._tokens += len(spans)
             while self._tokens > self.max_tokens and len(self._spans) > 1:
                 _, old = self._spans.popitem(last=False)
                 self._tokens -= len(old)
         return spans
+
+    def get(self, doc: Document) -> np.ndarray | None:
+        """The document's (n, 2) spans, tokenised here if none were stored or cached; None
+        when the engine cannot tell them."""
+        hit = self.cached(doc.id)
+        if hit is not None or self.char_spans is None:
+            return hit
+        return self.put(doc.id, self.char_spans(doc.text))
 
     def discard(self, doc_id: int) -> None:
         with self._lock:
@@ -101,10 +108,12 @@ def provenance(
     ``snippets``: whether the caller may read memorised text; without, neighbours keep
     their document, date and title but carry no snippet.
     """
-    ids = [int(n.doc_id) for n in neighbours]
+    ids = {int(n.doc_id) for n in neighbours}
     with sessions() as s:
         docs = DocumentRepository(s).many(ids)
-        stored = SpanRepository(s).many(ids) if snippets else {}
+        missing = [i for i in ids if cache.cached(i) is None] if snippets else []
+        for doc_id, spans in SpanRepository(s).many(missing).items():
+            cache.put(doc_id, spans)
     out = []
     for n in neighbours:
         doc = docs.get(int(n.doc_id))
@@ -122,16 +131,13 @@ def provenance(
             item.published_at = doc.published_at
             item.source = doc.source
             if snippets:
-                item.snippet = _snippet(doc, int(n.position), stored.get(doc.id), cache)
+                item.snippet = _snippet(doc, int(n.position), cache)
         out.append(item)
     return out
 
 
-def _snippet(
-    doc: Document, position: int, spans: np.ndarray | None, cache: SpanCache
-) -> str | None:
-    if spans is None:
-        spans = cache.get(doc)
+def _snippet(doc: Document, position: int, cache: SpanCache) -> str | None:
+    spans = cache.get(doc)
     if spans is None:  # an engine that cannot tell (the fakes of some tests)
         return snippet(doc.text, 0, 0)
     if not 0 <= position < len(spans):
