@@ -5,7 +5,7 @@ Prints one table:
   - model forward: the raw HF forward of 512-token windows (logits for every position);
   - encoder forward only: the encoder's transformer body with its key hook, no LM head and
     no statistics, so the head + statistics share is the gap to the next row;
-  - encoder: Encoder.encode_many over real news, windows of 512 with stride 512 (every token
+  - encoder: Encoder.encode_many over real news, windows of 512 with stride 511 (every token
     scored once), FLOP per token from Encoder.flops_per_token;
   - ingest: Engine.process_document (encode + search the served memory + augmented scoring
     + MoNIM + append) over the same documents, with a memory already holding other news.
@@ -68,7 +68,7 @@ def main() -> None:
     memory = news[args.docs : args.docs + args.memory_docs]
     ids = [enc.tokenize(d.text) for d in timed]
     n_tok = sum(len(i) - 1 for i in ids)
-    window = WindowConfig(context=args.context, stride=args.context, batch_size=1)
+    window = WindowConfig(context=args.context, stride=args.context - 1, batch_size=1)
     flop_tok = enc.flops_per_token(args.context)
 
     enc.encode_many(ids[:1], window)  # warm-up

@@ -79,14 +79,14 @@ def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
     """Write SmolLM2-135M keys of the bundled news, in date order, one float16 ``.npz``
     per article, until ``n_tokens`` keys exist (files already there are reused).
 
-    Windows of 512 tokens without overlap (stride 512) so each token costs one forward.
+    Windows of 512 tokens overlapping by one (stride 511) so each token costs about one forward.
     """
     from memlm.corpus import load_news
     from memlm.encoder import Encoder, WindowConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     enc = None
-    window = WindowConfig(context=512, stride=512)
+    window = WindowConfig(context=512, stride=511)
     have = 0
     t0 = time.perf_counter()
     for i, doc in enumerate(load_news()):

@@ -14,8 +14,10 @@ and ``tiny-gpt2`` / ``tiny-llama``: small seeded random models for tests.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -43,6 +45,23 @@ class EncoderError(RuntimeError):
     """A model cannot be loaded or an input cannot be encoded."""
 
 
+# Where the key hook of the forward running in this thread (context) puts what it captures.
+# The API executor, the in-process ingest worker and the builder run forwards of one model
+# in several threads at once; a capture list owned by the call and found through a
+# ContextVar keeps every forward's keys its own (a hook writing to the module or the
+# encoder would hand one thread's keys to another).
+_KEY_SINK: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "memlm_key_sink", default=None
+)
+_HOOKED = "_memlm_key_hook"  # attribute marking an MLP that already carries the hook
+
+
+def _capture_key(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    sink = _KEY_SINK.get()
+    if sink is not None:
+        sink.append(args[0])
+
+
 def cache_dir() -> Path:
     """Where converted models and encoded corpora live (``MEMLM_CACHE_DIR``)."""
     return Path(os.environ.get("MEMLM_CACHE_DIR", Path.home() / ".cache" / "memlm"))
@@ -56,7 +75,17 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class WindowConfig:
-    """How a document is cut into LM windows."""
+    """How a document is cut into LM windows.
+
+    Window i covers tokens ``[i * stride, i * stride + context)`` and scores the targets
+    that no earlier window scored. A target t is predicted from the tokens of its window
+    before it, so the window must hold position t - 1: consecutive windows overlap by
+    ``context - stride`` tokens and every target after the first window keeps at least
+    that much left context. ``stride == context`` would leave no overlap, and the first
+    target of each later window would be predicted from nothing inside its window; it
+    is refused rather than silently turned into ``context - 1`` (the largest legal
+    stride), so that a report's "stride" is always the stride that ran.
+    """
 
     context: int = 512  # tokens a window holds; DATA.md's perplexity figures use 512
     stride: int = 256  # a window advances by this much; later tokens keep >= 256 context
@@ -65,23 +94,36 @@ class WindowConfig:
     def __post_init__(self) -> None:
         if not self.context >= 2:
             raise ValueError("context must be at least 2 tokens")
-        if not 1 <= self.stride <= self.context:
-            raise ValueError("stride must be in [1, context]")
+        if not 1 <= self.stride < self.context:
+            raise ValueError(
+                f"stride must be in [1, context - 1] = [1, {self.context - 1}] (got "
+                f"{self.stride}): windows must overlap by at least one token, so that each "
+                f"window's first scored token has its previous token in the window; the "
+                f"largest legal stride for context {self.context} is {self.context - 1}"
+            )
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
 
+    @property
+    def min_context(self) -> int:
+        """Left context every target gets at least (all of it before position context)."""
+        return self.context - self.stride
+
     def windows(self, n: int) -> list[tuple[int, int, int]]:
-        """(begin, end, first_scored) for a document of n tokens; targets 1..n-1 once each."""
+        """(begin, end, first_scored) for a document of n tokens; targets 1..n-1 once each.
+
+        Window (b, e, f) scores targets f..e-1 with b < f: target t is predicted from
+        tokens b..t-1, at least ``min(t, context - stride)`` of them.
+        """
         out: list[tuple[int, int, int]] = []
         scored_to = 1  # next target position not yet scored
         begin = 0
         while scored_to < n:
             end = min(begin + self.context, n)
+            assert begin < scored_to < end, (begin, scored_to, end)
             out.append((begin, end, scored_to))
             scored_to = end
             begin += self.stride
-            if end == n:
-                break
         return out
 
 
@@ -233,6 +275,12 @@ class Encoder:
         self.vocab_size = int(self.head_weight.shape[0])
         self.hidden_dim = int(self.head_weight.shape[1])
         self._mlp = last_mlp(model)
+        if not getattr(self._mlp, _HOOKED, False):  # one hook per module, however many encoders
+            self._mlp.register_forward_pre_hook(_capture_key)
+            setattr(self._mlp, _HOOKED, True)
+        # transformers 5.x renamed the attention cache argument ``past_key_values`` -> ``cache``
+        params = inspect.signature(self.model.base_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         cfg = model.config
         self.dim = int(getattr(cfg, "hidden_size", None) or cfg.n_embd)
         self.max_positions = int(
@@ -302,24 +350,23 @@ class Encoder:
 
         With ``cache`` (a transformers ``DynamicCache``) the attention keys and values are
         appended to it, and ``mask`` covers the cached positions too (B, past + T).
+        Safe to call from several threads at once: the keys are captured into a list
+        that belongs to this call (``_KEY_SINK``), never into shared state.
         """
-        captured: list[torch.Tensor] = []
-
-        def hook(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            captured.append(args[0])
-
-        handle = self._mlp.register_forward_pre_hook(hook)
+        sink: list[torch.Tensor] = []
+        token = _KEY_SINK.set(sink)
         try:
+            kwargs: dict[str, Any] = {"use_cache": cache is not None}
+            if cache is not None:
+                kwargs[self._cache_arg] = cache
             out = self.model.base_model(
-                input_ids=batch,
-                attention_mask=mask,
-                past_key_values=cache,
-                position_ids=positions,
-                use_cache=cache is not None,
+                input_ids=batch, attention_mask=mask, position_ids=positions, **kwargs
             )
         finally:
-            handle.remove()
-        return captured[0], out.last_hidden_state
+            _KEY_SINK.reset(token)
+        if len(sink) != 1:
+            raise EncoderError(f"expected one key capture per forward, got {len(sink)}")
+        return sink[0], out.last_hidden_state
 
     @torch.inference_mode()
     def start(
@@ -366,7 +413,7 @@ class Encoder:
 
     @torch.inference_mode()
     def _stats(
-        self, hidden: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor
+        self, hidden: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor, key_ce: bool
     ) -> dict[str, torch.Tensor]:
         """LM statistics for n scored tokens; hidden (n, h), keys (n, d), targets (n,)."""
         out: dict[str, list[torch.Tensor]] = {
@@ -390,7 +437,7 @@ class Encoder:
             out["top"].append(top)
             out["toplp"].append(top_logit - lse)
             out["ent"].append(torch.log(z) - dot)
-            if self.compute_key_ce and k.shape[1] == self.hidden_dim:
+            if key_ce and k.shape[1] == self.hidden_dim:
                 kl = self.logits(k)
                 out["kce"].append(torch.logsumexp(kl, -1) - kl.gather(1, y[:, None]).squeeze(1))
             else:
@@ -402,18 +449,28 @@ class Encoder:
         logits = h @ self.head_weight.T
         return logits if self.head_bias is None else logits + self.head_bias
 
-    def encode_ids(self, ids: Sequence[int], window: WindowConfig | None = None) -> TokenOutputs:
+    def encode_ids(
+        self, ids: Sequence[int], window: WindowConfig | None = None, *, key_ce: bool | None = None
+    ) -> TokenOutputs:
         """Per-token outputs for one document (targets ids[1:])."""
-        return self.encode_many([ids], window)[0]
+        return self.encode_many([ids], window, key_ce=key_ce)[0]
 
     def encode_many(
         self,
         docs: Sequence[Sequence[int]],
         window: WindowConfig | None = None,
         progress: bool = False,
+        *,
+        key_ce: bool | None = None,
     ) -> list[TokenOutputs]:
-        """Encode several documents, batching windows of similar length across them."""
+        """Encode several documents, batching windows of similar length across them.
+
+        ``key_ce``: compute the key cross-entropy (MoNIM(KL)); None takes
+        ``compute_key_ce``. Passing it per call keeps one caller's policy from changing
+        what another thread's call computes.
+        """
         window = window or WindowConfig()
+        with_key_ce = self.compute_key_ce if key_ce is None else key_ce
         if window.context > self.max_positions:
             raise EncoderError(
                 f"context {window.context} exceeds the model's {self.max_positions} positions"
@@ -437,7 +494,9 @@ class Encoder:
             keys, hidden = self._forward(ids, mask)  # (B, T, d), (B, T, h)
             rows_k, rows_h, tgts, poss, owners = [], [], [], [], []
             for r, (di, b, e, first) in enumerate(batch_jobs):
-                # the output at window offset j predicts the token at b + j + 1
+                # the output at window offset j predicts the token at b + j + 1; first > b,
+                # so every selected row reads only real tokens of this window (WindowConfig)
+                assert b < first < e, (b, first, e)
                 sel = torch.arange(first - 1 - b, e - 1 - b)
                 rows_k.append(keys[r, sel])
                 rows_h.append(hidden[r, sel])
@@ -445,7 +504,7 @@ class Encoder:
                 poss.append(np.arange(first, e, dtype=np.int32))
                 owners.append((di, first, len(sel)))
             k_all, h_all, y_all = torch.cat(rows_k), torch.cat(rows_h), torch.cat(tgts)
-            st = self._stats(h_all, k_all, y_all)
+            st = self._stats(h_all, k_all, y_all, with_key_ce)
             o = 0
             for (di, first, n), pos in zip(owners, poss, strict=True):
                 sl = slice(o, o + n)

@@ -168,7 +168,6 @@ class Engine:
         self._build_lock = threading.RLock()  # building(): this process's holder
         self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
         self._building = 0
-        self._set_key_ce(self.policy)
         # lambda per token from the calibrator trained for the served index version
         self.calibration = ServedCalibration(
             self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared
@@ -210,16 +209,10 @@ class Engine:
             shared=shared,
         )
 
-    def _set_key_ce(self, policy: Policy) -> None:
-        if policy.needs_key_ce:
-            self.encoder.compute_key_ce = True
-
     def _policy(self, policy: Policy | str | None) -> Policy:
         if policy is None:
             return self.policy
-        p = make_policy(policy) if isinstance(policy, str) else policy
-        self._set_key_ce(p)
-        return p
+        return make_policy(policy) if isinstance(policy, str) else policy
 
     # --- memory lookups --------------------------------------------------------------------
 
@@ -230,11 +223,11 @@ class Engine:
         dist, ids, vals = self.index.search_values(out.keys, self.knn.k)
         return token_scores(self.encoder, out, dist, vals, self.knn), (dist, ids, vals)
 
-    def _encode(self, text: str) -> tuple[list[int], TokenOutputs]:
+    def _encode(self, text: str, key_ce: bool = False) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
         if len(ids) < 2:
             raise EngineInputError("the text must hold at least two tokens")
-        return ids, self.encoder.encode_ids(ids, self.window)
+        return ids, self.encoder.encode_ids(ids, self.window, key_ce=key_ce)
 
     # --- the data flow ---------------------------------------------------------------------
 
@@ -266,7 +259,7 @@ class Engine:
             self.sync()
             self.reload_index()
         pol = self._policy(policy)
-        token_ids, out = self._encode(text)
+        token_ids, out = self._encode(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
             scores, (dist, _, vals) = self._scores(out, pol)
@@ -629,7 +622,7 @@ class Engine:
         on top of that (App. A, Eq. 9).
         """
         pol = self._policy(policy)
-        ids, out = self._encode(text)
+        ids, out = self._encode(text, pol.needs_key_ce)
         scores, (dist, eids, vals) = self._scores(out, pol)
         base = out.target_logprob.astype(np.float64)
         trime = None

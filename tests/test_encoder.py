@@ -27,11 +27,14 @@ def test_window_validation():
         WindowConfig(context=4, stride=5)
     with pytest.raises(ValueError):
         WindowConfig(context=1, stride=1)
+    # no overlap would predict each later window's first target from nothing in it
+    with pytest.raises(ValueError, match="largest legal stride for context 512 is 511"):
+        WindowConfig(context=512, stride=512)
 
 
 def test_outputs_match_a_plain_forward(enc):
     ids = list(np.random.RandomState(0).randint(5, 2000, 40))
-    out = enc.encode_ids(ids, WindowConfig(context=64, stride=64))
+    out = enc.encode_ids(ids, WindowConfig(context=64, stride=63))
     assert len(out) == 39
     assert out.positions.tolist() == list(range(1, 40))
     assert out.targets.tolist() == ids[1:]
@@ -76,7 +79,7 @@ def test_sliding_windows_batched_equal_unbatched(enc):
 def test_gpt2_key_is_the_last_mlp_input():
     enc = Encoder.load("tiny-gpt2", threads=1)
     ids = torch.tensor([list(range(50, 70))])
-    out = enc.encode_ids(ids[0].tolist(), WindowConfig(context=32, stride=32))
+    out = enc.encode_ids(ids[0].tolist(), WindowConfig(context=32, stride=31))
     with torch.inference_mode():
         hs = enc.model(ids, output_hidden_states=True).hidden_states
         block = enc.model.transformer.h[-1]

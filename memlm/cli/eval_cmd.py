@@ -74,10 +74,14 @@ def eval_command(
             "--gate-theta must be in [0, 1) and needs --lambda calibrated",
             param_hint="--gate-theta",
         )
+    try:
+        window = WindowConfig(context=context, stride=stride, batch_size=batch_size)
+    except ValueError as exc:  # e.g. --stride equal to --context: name the largest legal one
+        raise typer.BadParameter(str(exc), param_hint="--stride / --context") from None
     cfg = EvalConfig(
         corpus=corpus,
         model=model,
-        window=WindowConfig(context=context, stride=stride, batch_size=batch_size),
+        window=window,
         days=days,
         start=dt.date.fromisoformat(start) if start else None,
         max_docs_per_day=max_docs_per_day,

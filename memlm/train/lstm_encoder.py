@@ -75,8 +75,11 @@ class ShortSpanEncoder(Encoder):
         docs: Sequence[Sequence[int]],
         window: WindowConfig | None = None,
         progress: bool = False,
+        *,
+        key_ce: bool | None = None,
     ) -> list[TokenOutputs]:
         """Per-token outputs for whole documents (targets ids[1:], state reset per document)."""
+        with_key_ce = self.compute_key_ce if key_ce is None else key_ce
         b = self.words.boundary_id
         out = []
         for ids in docs:
@@ -88,7 +91,7 @@ class ShortSpanEncoder(Encoder):
             reset[0, 0] = True
             feats = self.model(x, reset).features[0, 1:]  # (n-1, d) predicting ids[1:]
             targets = torch.tensor(list(ids[1:]), dtype=torch.long)
-            st = self._stats(feats, feats, targets)
+            st = self._stats(feats, feats, targets, with_key_ce)
             out.append(
                 TokenOutputs(
                     targets=targets.numpy(),
