@@ -106,7 +106,9 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=20, help="long documents memorised")
     ap.add_argument("--min-chars", type=int, default=50_000)
     ap.add_argument("--max-chars", type=int, default=200_000)
-    ap.add_argument("--rate", type=float, default=0.02, help="RandMem share of tokens stored")
+    # MEMLM_RANDMEM_RATE: the worker applies the policy row's rate, which does not read it
+    # (make_policy's 0.5 in the runs of docs/service.md)
+    ap.add_argument("--rate", type=float, default=0.02, help="MEMLM_RANDMEM_RATE")
     ap.add_argument("--neighbours", type=int, default=100)
     ap.add_argument("--requests", type=int, default=20, help="timed requests per row")
     ap.add_argument("--context", type=int, default=128, help="context tokens")
@@ -226,7 +228,7 @@ def main() -> None:
     print(f"model {args.model}, threads {args.threads}")
     print(
         f"memory: {args.docs} documents of {min(chars):,}-{max(chars):,} characters "
-        f"({sum(chars):,} in all), {stats['entries']} entries (RandMem {args.rate}), "
+        f"({sum(chars):,} in all), {stats['entries']} entries (RandMem), "
         f"ingested and built in {ingest_s:.0f} s"
     )
     print(
