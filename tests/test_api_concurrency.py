@@ -8,6 +8,7 @@ no 5xx, and every stored key equals a clean single-threaded re-encode of its doc
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -25,10 +26,33 @@ from service.app import create_app
 from tests.service_helpers import ADMIN, INGEST, doc, make_settings
 from workers.engine import open_engine
 
-WORDS = (
-    "harbour ferry council minister budget election storm river bank market price oil gas "
-    "court judge police report school hospital train station airport strike union vote"
-).split()
+WORDS = [
+    "harbour",
+    "ferry",
+    "council",
+    "minister",
+    "budget",
+    "election",
+    "storm",
+    "river",
+    "bank",
+    "market",
+    "price",
+    "oil",
+    "gas",
+    "court",
+    "judge",
+    "police",
+    "report",
+    "school",
+    "hospital",
+    "train",
+    "station",
+    "airport",
+    "strike",
+    "union",
+    "vote",
+]
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -45,6 +69,7 @@ def tiny() -> Any:
     return Encoder.load("tiny-gpt2", threads=1)
 
 
+@contextlib.contextmanager
 def _serve(app: Any) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -79,7 +104,7 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
     contexts = [_text(rng, 700) for _ in range(8)]
     statuses: list[int] = []
     lock = threading.Lock()
-    for base in _serve(app):
+    with _serve(app) as base:
         with httpx.Client(base_url=base, timeout=60) as c:
             ids = []
             for i in range(0, 100, 25):
