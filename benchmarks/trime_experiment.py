@@ -294,7 +294,8 @@ def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
     _, _, dev_c, _ = data
     ckpt = latest_checkpoint(out / name)
     assert ckpt is not None, f"no checkpoint under {out / name}"
-    history = torch.load(ckpt / "trainer_state.pt", weights_only=False)["history"]
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+    history = state["history"]
     losses = [h["loss"] for h in history]
     per_100 = [
         round(sum(losses[a : a + 100]) / len(losses[a : a + 100]), 3)

@@ -74,6 +74,9 @@ class PreparedDocument:
     token_ids: list[int]
     outputs: TokenOutputs
     store: np.ndarray  # (n,) bool: the policy's decision per scored token
+    # (len(token_ids), 2) character span of every token: stored beside the document so that
+    # a neighbour's snippet is a slice of its text, not a re-tokenisation (service/provenance)
+    char_spans: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,13 @@ class Engine:
             scores = TokenScores(nan, nan, out.key_ce)
         self._record_heldout(doc_id, day, out, search)
         scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
-        return PreparedDocument(doc_id, day, token_ids, out, pol.decide(scores))
+        spans = self.char_spans(text)
+        ok = len(spans) == len(token_ids)
+        if not ok:  # offsets of another tokenisation would mark the wrong characters
+            log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
+        return PreparedDocument(
+            doc_id, day, token_ids, out, pol.decide(scores), spans if ok else None
+        )
 
     def store_document(
         self, prep: PreparedDocument, *, crash_at: str | None = None
@@ -694,14 +703,9 @@ class Engine:
             trime_ppl=None if trime is None else math.exp(-float(trime.mean())),
         )
 
-    def char_span(self, text: str, position: int) -> tuple[int, int]:
-        """Character offsets of token ``position`` of ``text`` (for provenance snippets)."""
-        spans = self.encoder.char_offsets(text)
-        if not 0 <= position < len(spans):
-            raise EngineInputError(
-                f"token position {position} outside the text's {len(spans)} tokens"
-            )
-        return spans[position]
+    def char_spans(self, text: str) -> np.ndarray:
+        """(n, 2) int64: the character span of every token of ``text`` (its positions)."""
+        return np.asarray(self.encoder.char_offsets(text), dtype=np.int64).reshape(-1, 2)
 
     # --- maintenance ---------------------------------------------------------------------------
 

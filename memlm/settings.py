@@ -95,8 +95,14 @@ class Settings(BaseSettings):
     # --- HTTP -----------------------------------------------------------------------------
     ingest_token: SecretStr = SecretStr(DEFAULT_SECRET)
     admin_token: SecretStr = SecretStr(DEFAULT_SECRET)
-    # Require the ingest token for /predict and /score as well.
-    protect_read: bool = False
+    # A token for /predict and /score only (the ingest and admin tokens also read).
+    read_token: SecretStr | None = None
+    # Require a token (read, ingest or admin) for /predict and /score. None: required
+    # outside development. Reads left open outside development answer neighbours without
+    # snippets of memorised text unless the caller sends a token (docs/service.md).
+    protect_read: bool | None = None
+    # Neighbours one /predict may ask for; each costs a snippet from its document.
+    max_neighbours: int = Field(default=100, ge=0, le=1000)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_documents_per_request: int = Field(default=256, ge=1)
     max_text_chars: int = Field(default=200_000, ge=1)
@@ -155,10 +161,14 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _no_default_secret_outside_development(self) -> Settings:
+        if self.read_token is not None and not self.read_token.get_secret_value():
+            raise ValueError("MEMLM_READ_TOKEN is empty; leave it unset or set a secret")
         if self.env == "development":
             return self
         how = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-        for name in ("ingest_token", "admin_token"):
+        for name in ("ingest_token", "admin_token", "read_token"):
+            if getattr(self, name) is None:
+                continue
             value = getattr(self, name).get_secret_value()
             var = f"MEMLM_{name.upper()}"
             if value == DEFAULT_SECRET:
@@ -196,8 +206,20 @@ class Settings(BaseSettings):
         """Where each live ingest worker holds a lock file named after it."""
         return self.data_dir / "workers"
 
+    @property
+    def reads_protected(self) -> bool:
+        """Whether /predict and /score need a token (``protect_read``, else not in development)."""
+        return self.env != "development" if self.protect_read is None else self.protect_read
+
+    def read_tokens(self) -> list[str]:
+        """The tokens that may read: the read token if set, the ingest and admin tokens."""
+        tokens = [self.ingest_token.get_secret_value(), self.admin_token.get_secret_value()]
+        if self.read_token is not None:
+            tokens.insert(0, self.read_token.get_secret_value())
+        return tokens
+
     def uses_default_secret(self) -> bool:
         return any(
-            getattr(self, n).get_secret_value() == DEFAULT_SECRET
-            for n in ("ingest_token", "admin_token")
+            t is not None and t.get_secret_value() == DEFAULT_SECRET
+            for t in (self.ingest_token, self.admin_token, self.read_token)
         )

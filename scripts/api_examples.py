@@ -86,6 +86,7 @@ def calls() -> list[Call]:
             "GET",
             "/documents/{id}",
             note="After the worker memorised it:",
+            auth=True,
         ),
         Call(
             "POST /predict",
@@ -148,7 +149,7 @@ def calls() -> list[Call]:
             auth=True,
         ),
         Call("DELETE /admin/documents/{id}", "DELETE", "/admin/documents/{id}", auth=True),
-        Call("GET /documents/{id} after forgetting", "GET", "/documents/{id}"),
+        Call("GET /documents/{id} after forgetting", "GET", "/documents/{id}", auth=True),
         Call("GET /metrics", "GET", "/metrics"),
         Call(
             "Error: missing token",
@@ -277,7 +278,9 @@ def main() -> None:
                 path = call.path.replace("{id}", str(doc_id))
                 if call.title == "GET /documents/{id}":
                     wait(
-                        "the new document", lambda p=path: c.get(p).json()["status"] == "done", 600
+                        "the new document",
+                        lambda p=path: c.get(p, headers=admin).json()["status"] == "done",
+                        600,
                     )
                 if call.title == "GET /admin/builds/{id}":
                     wait(

@@ -21,6 +21,7 @@ from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
+from service.provenance import SpanCache
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
@@ -94,7 +95,7 @@ async def sync_index(state: AppState) -> None:
 
 def _attach(state: AppState, engine: EngineLike) -> None:
     state.cached["predict_many"] = partial(predict_many, engine)
-    state.cached["char_span"] = getattr(engine, "char_span", None)
+    state.cached["span_cache"] = SpanCache(getattr(engine, "char_spans", None))
     state.engine = engine
 
 

@@ -72,9 +72,16 @@ def require_ingest(state: State, creds: Credentials) -> None:
         raise Unauthorized("a valid ingest bearer token is required")
 
 
-def require_read(state: State, creds: Credentials) -> None:
-    if state.settings.protect_read:
-        require_ingest(state, creds)
+def read_access(state: State, creds: Credentials) -> bool:
+    """Whether the caller may see memorised text (snippets); 401 where reads need a token.
+
+    In development everyone may; elsewhere a read, ingest or admin token is needed.
+    """
+    s = state.settings
+    authorised = _matches(creds, *s.read_tokens())
+    if s.reads_protected and not authorised:
+        raise Unauthorized("a valid read bearer token is required")
+    return authorised or s.env == "development"
 
 
 # Row ids are INTEGER columns: PostgreSQL's end at 2**31 - 1 (SQLite's at 2**63 - 1). A
@@ -84,4 +91,6 @@ RowId = Annotated[int, Path(ge=1, le=MAX_ID, description=f"a row id, 1 to {MAX_I
 
 AdminAuth = Depends(require_admin)
 IngestAuth = Depends(require_ingest)
-ReadAuth = Depends(require_read)
+ReadAuth = Depends(read_access)
+# The caller's read access as a route parameter: True when it may see snippets.
+ReadAccess = Annotated[bool, ReadAuth]

@@ -25,6 +25,13 @@ class Unauthorized(DomainError):
     error = "unauthorized"
 
 
+class InvalidRequest(DomainError):
+    """Well-formed, but against a limit the settings set (the schema cannot say it)."""
+
+    status_code = 422
+    error = "validation_error"
+
+
 class PayloadTooLarge(DomainError):
     status_code = 413
     error = "payload_too_large"

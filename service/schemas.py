@@ -192,7 +192,9 @@ class MemoryOptionsIn(Strict):
 class PredictRequest(MemoryOptionsIn):
     context: str = Field(min_length=1, examples=["The prime minister said on Tuesday that"])
     top_n: int = Field(10, ge=1, le=100)
-    neighbours: int = Field(0, ge=0, le=100, description="how many neighbours to return")
+    neighbours: int = Field(
+        0, ge=0, description="how many neighbours to return (at most MEMLM_MAX_NEIGHBOURS)"
+    )
     words: int = Field(
         0,
         ge=0,
@@ -230,7 +232,11 @@ class NeighbourOut(BaseModel):
     title: str | None = None
     published_at: dt.date | None = None
     source: str | None = None
-    snippet: str | None = None
+    snippet: str | None = Field(
+        default=None,
+        description="the document's text around the token, marked [[ ]]; outside "
+        "development only for callers with a read, ingest or admin token",
+    )
 
 
 class PredictResponse(BaseModel):

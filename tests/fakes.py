@@ -11,7 +11,8 @@ is predictable by hand:
   is not in the live memory yet (the augmented model "was surprised"),
 * whole words are the suggestions themselves (every fake token is a word),
 * local memory (TRIME): every earlier position of the input with the same key adds a
-  mass of 1 to its value beside the LM's total mass of 1 (tau is ignored).
+  mass of 1 to its value beside the LM's total mass of 1 (tau is ignored),
+* ``char_spans`` gives each word's characters (and counts its calls).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from memlm.engine import ContextFit, EngineInputError
 from memlm.locks import LockBusy
@@ -98,6 +101,7 @@ class PreparedDocument:
     day: int
     words: list[str]
     policy: str
+    char_spans: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class FakeEngine:
     processed: list[int] = field(default_factory=list)
     fail_on: str | None = None  # a word that makes process_document raise EngineInputError
     span: int = 512  # words at the end of a context that predict reads (fit_context)
+    span_calls: list[str] = field(default_factory=list)  # texts given to char_spans
     # the datastore's write lock and the build lock, for workers sharing this fake
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _build: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -171,7 +176,12 @@ class FakeEngine:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
             raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
-        return PreparedDocument(doc_id, day, words, policy or self.policy)
+        spans = np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
+        return PreparedDocument(doc_id, day, words, policy or self.policy, spans)
+
+    def char_spans(self, text: str) -> np.ndarray:
+        self.span_calls.append(text)
+        return np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
 
     def store_document(
         self, prep: PreparedDocument, *, crash_at: str | None = None

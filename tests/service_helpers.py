@@ -9,6 +9,7 @@ from memlm.settings import Settings
 
 INGEST = {"Authorization": "Bearer ingest-secret-for-tests"}
 ADMIN = {"Authorization": "Bearer admin-secret-for-tests"}
+READ = {"Authorization": "Bearer read-secret-for-tests"}
 
 
 def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
@@ -18,6 +19,10 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
         "database_url": db_url,
         "ingest_token": "ingest-secret-for-tests",
         "admin_token": "admin-secret-for-tests",
+        "read_token": "read-secret-for-tests",
+        # Reads open, as most tests are about something else: outside development, open
+        # reads answer snippets only to a token (READ); tests of protection set None/True.
+        "protect_read": False,
         "worker_poll_seconds": 0.05,
         "index_poll_seconds": 3600,
     }

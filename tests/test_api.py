@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import math
 import threading
@@ -13,9 +14,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from memlm.db.repositories import SpanRepository
 from service.app import create_app, sync_index
 from tests.fakes import VOCAB, FakeEngine
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from workers.ingest import IngestWorker
 
 
@@ -70,10 +72,10 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     assert r.status_code == 202
     [accepted] = r.json()["documents"]
     assert accepted["status"] == "pending"
-    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "pending"
+    assert c.get(f"/documents/{accepted['id']}", headers=INGEST).json()["status"] == "pending"
 
     assert env.drain() == 1
-    d = c.get(f"/documents/{accepted['id']}").json()
+    d = c.get(f"/documents/{accepted['id']}", headers=INGEST).json()
     assert (d["status"], d["tokens_seen"], d["tokens_stored"]) == ("done", 5, 5)
     assert (d["entry_start"], d["entry_end"], d["policy"]) == (0, 5, "monim")
 
@@ -86,7 +88,7 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     assert build["params"] == {"kind": "flat"}  # the fake's index parameters
     assert build["calibrator"] is None and build["started_at"] <= build["finished_at"]
 
-    after = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
+    after = c.post("/predict", headers=READ, json={"context": "we saw the", "neighbours": 5}).json()
     assert after["lambda"] == 0.5
     assert after["index_version"] == "1"
     probs = {s["token"]: s for s in after["suggestions"]}
@@ -99,7 +101,12 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
         (accepted["id"], "mat", 5),
     ]
     assert nbrs[0]["title"] == "Cats" and nbrs[0]["published_at"] == "2017-02-07"
-    assert "the cat sat" in nbrs[0]["snippet"]
+    # the spans stored at ingest mark the very word; the engine tokenised nothing here
+    assert [n["snippet"] for n in nbrs] == [
+        "the [[cat]] sat on the mat",
+        "the cat sat on the [[mat]]",
+    ]
+    assert env.engine.span_calls == []
 
     s = c.post("/score", json={"text": "the cat ran"}).json()
     assert s["tokens"] == ["the", "cat", "ran"]
@@ -119,7 +126,7 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     r = c.delete(f"/admin/documents/{accepted['id']}", headers=ADMIN)
     assert r.status_code == 202 and r.json()["status"] == "forgetting"
     assert env.drain() == 1
-    assert c.get(f"/documents/{accepted['id']}").json()["status"] == "forgotten"
+    assert c.get(f"/documents/{accepted['id']}", headers=INGEST).json()["status"] == "forgotten"
     st = c.get("/admin/stats", headers=ADMIN).json()
     assert (st["entries"], st["tokens_stored"], st["entries_forgotten"]) == (0, 5, 5)
     assert st["entries"] == st["tokens_stored"] - st["entries_forgotten"]
@@ -205,7 +212,7 @@ def test_failed_document_is_marked_and_does_not_stop_the_queue(env: Env) -> None
         ).json()["documents"]
     ]
     assert env.drain() == 2
-    bad, good = (c.get(f"/documents/{i}").json() for i in ids)
+    bad, good = (c.get(f"/documents/{i}", headers=INGEST).json() for i in ids)
     assert bad["status"] == "failed"
     assert bad["error"] == "EngineInputError: cannot encode the word 'poison'"
     assert good["status"] == "done"
@@ -243,7 +250,7 @@ def test_admin_retry_queues_a_failed_document_again(any_env: Env) -> None:
         ).json()["documents"]
     ]
     assert env.drain() == 2
-    failed = c.get(f"/documents/{bad}").json()
+    failed = c.get(f"/documents/{bad}", headers=ADMIN).json()
     assert (failed["status"], failed["attempts"]) == ("failed", 1)
     # posting it again answers the document as it is; only the admin retry queues it
     again = c.post("/ingest", headers=INGEST, json={"documents": [doc("a poison b")]}).json()
@@ -269,7 +276,7 @@ def test_admin_retry_queues_a_failed_document_again(any_env: Env) -> None:
     assert missing.status_code == 404 and missing.json()["error"] == "not_found"
     env.engine.fail_on = None  # the cause is fixed: the retry memorises it
     assert env.drain() == 1
-    out = c.get(f"/documents/{bad}").json()
+    out = c.get(f"/documents/{bad}", headers=ADMIN).json()
     assert (out["status"], out["attempts"], out["tokens_seen"]) == ("done", 0, 2)
 
 
@@ -284,7 +291,7 @@ def test_every_timestamp_in_responses_is_utc_with_z(any_env: Env) -> None:
     before_put = c.get("/admin/policy", headers=ADMIN).json()
     assert any_env.drain() == 2
     after_put = c.put("/admin/policy", headers=ADMIN, json={"policy": "fullmem"}).json()
-    d = c.get(f"/documents/{accepted['id']}").json()
+    d = c.get(f"/documents/{accepted['id']}", headers=INGEST).json()
     b = c.get(f"/admin/builds/{build_id}", headers=ADMIN).json()
     st = c.get("/admin/stats", headers=ADMIN).json()
     t1 = dt.datetime.now(dt.UTC)
@@ -398,7 +405,10 @@ def test_iso_datetime_is_accepted_as_its_date(env: Env) -> None:
         "/ingest", headers=INGEST, json={"documents": [doc("ok", day="2017-02-07T23:10:00Z")]}
     )
     doc_id = r.json()["documents"][0]["id"]
-    assert env.client.get(f"/documents/{doc_id}").json()["published_at"] == "2017-02-07"
+    assert (
+        env.client.get(f"/documents/{doc_id}", headers=INGEST).json()["published_at"]
+        == "2017-02-07"
+    )
 
 
 def test_invalid_utf8_and_invalid_json(env: Env) -> None:
@@ -599,7 +609,7 @@ def test_predict_and_score_validation(env: Env) -> None:
     assert r.status_code == 422
     assert "tau applies only with local_memory or long_memory" in r.json()["detail"]
     assert c.post("/score", json={"text": "a b", "local_memory": True, "tau": 0}).status_code == 422
-    assert c.get("/documents/999").json() == {
+    assert c.get("/documents/999", headers=INGEST).json() == {
         "error": "not_found",
         "detail": "document 999 does not exist",
     }
@@ -657,11 +667,137 @@ def test_auth(env: Env) -> None:
     assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
 
 
-def test_protected_reads(tmp_path: Path, sqlite_url: str) -> None:
-    for e in _env(tmp_path, sqlite_url, protect_read=True):
-        assert e.client.post("/predict", json={"context": "a"}).status_code == 401
-        assert e.client.post("/score", json={"text": "a b"}).status_code == 401
-        assert e.client.post("/predict", headers=INGEST, json={"context": "a"}).status_code == 200
+def _memorise_cats(e: Env) -> int:
+    body = {"documents": [doc("the cat sat on the mat", title="Cats")]}
+    [accepted] = e.client.post("/ingest", headers=INGEST, json=body).json()["documents"]
+    assert e.drain() == 1
+    return int(accepted["id"])
+
+
+PREDICT = {"context": "we saw the", "neighbours": 2}
+SNIPPETS = ["the [[cat]] sat on the mat", "the cat sat on the [[mat]]"]
+
+
+@pytest.mark.parametrize("protect_read", [None, True])
+def test_reads_need_a_token_outside_development(
+    tmp_path: Path, sqlite_url: str, protect_read: bool | None
+) -> None:
+    for e in _env(tmp_path, sqlite_url, protect_read=protect_read):  # None: env "test"
+        c = e.client
+        _memorise_cats(e)
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = c.post("/predict", headers=headers, json=PREDICT)
+            assert r.status_code == 401 and r.json() == {
+                "error": "unauthorized",
+                "detail": "a valid read bearer token is required",
+            }
+            assert c.post("/score", headers=headers, json={"text": "a b"}).status_code == 401
+        for token in (READ, INGEST, ADMIN):
+            r = c.post("/predict", headers=token, json=PREDICT)
+            assert [n["snippet"] for n in r.json()["neighbours"]] == SNIPPETS
+            assert c.post("/score", headers=token, json={"text": "a b"}).status_code == 200
+
+
+def test_open_reads_outside_development_give_no_snippets(env: Env) -> None:
+    c = env.client  # protect_read=False, env "test"
+    doc_id = _memorise_cats(env)
+    anyone = c.post("/predict", json=PREDICT).json()["neighbours"]
+    assert [(n["document_id"], n["token"], n["title"]) for n in anyone] == [
+        (doc_id, "cat", "Cats"),
+        (doc_id, "mat", "Cats"),
+    ]
+    assert [n["snippet"] for n in anyone] == [None, None]
+    wrong = c.post("/predict", headers={"Authorization": "Bearer wrong"}, json=PREDICT)
+    assert [n["snippet"] for n in wrong.json()["neighbours"]] == [None, None]
+    reader = c.post("/predict", headers=READ, json=PREDICT).json()["neighbours"]
+    assert [n["snippet"] for n in reader] == SNIPPETS
+
+
+def test_development_reads_are_open_with_snippets(tmp_path: Path, sqlite_url: str) -> None:
+    dev = {"env": "development", "ingest_token": "change-me", "admin_token": "change-me"}
+    for e in _env(tmp_path, sqlite_url, protect_read=None, read_token=None, **dev):
+        body = {"documents": [doc("the cat sat on the mat")]}
+        e.client.post("/ingest", headers={"Authorization": "Bearer change-me"}, json=body)
+        assert e.drain() == 1
+        r = e.client.post("/predict", json=PREDICT)
+        assert [n["snippet"] for n in r.json()["neighbours"]] == SNIPPETS
+
+
+def test_documents_need_the_ingest_or_admin_token(env: Env) -> None:
+    c = env.client
+    doc_id = _memorise_cats(env)
+    for headers in ({}, READ, {"Authorization": "Bearer wrong"}):
+        r = c.get(f"/documents/{doc_id}", headers=headers)
+        assert r.status_code == 401 and r.json() == {
+            "error": "unauthorized",
+            "detail": "a valid ingest bearer token is required",
+        }
+    assert c.get("/documents/999").status_code == 401  # existence is not told either
+    for headers in (INGEST, ADMIN):
+        assert c.get(f"/documents/{doc_id}", headers=headers).json()["status"] == "done"
+
+
+def test_neighbours_per_request_are_bounded(tmp_path: Path, sqlite_url: str) -> None:
+    for e in _env(tmp_path, sqlite_url, max_neighbours=1):
+        _memorise_cats(e)
+        r = e.client.post("/predict", headers=READ, json=PREDICT)
+        assert r.status_code == 422 and r.json() == {
+            "error": "validation_error",
+            "detail": "neighbours: 2 asked; at most 1 (MEMLM_MAX_NEIGHBOURS)",
+        }
+        r = e.client.post("/predict", headers=READ, json={**PREDICT, "neighbours": 1})
+        assert [n["snippet"] for n in r.json()["neighbours"]] == SNIPPETS[:1]
+
+
+def test_default_neighbours_bound(env: Env) -> None:
+    r = env.client.post("/predict", json={"context": "a", "neighbours": 101})
+    assert r.status_code == 422
+    assert r.json()["detail"] == "neighbours: 101 asked; at most 100 (MEMLM_MAX_NEIGHBOURS)"
+    assert env.client.post("/predict", json={"context": "a", "neighbours": 100}).status_code == 200
+
+
+def test_documents_without_stored_spans_are_tokenised_once_off_the_event_loop(env: Env) -> None:
+    c = env.client
+    doc_id = _memorise_cats(env)
+    state = c.app.state.memlm  # type: ignore[attr-defined]
+    with state.sessions.begin() as s:  # as for a document memorised before spans were stored
+        SpanRepository(s).delete(doc_id)
+    on_loop: list[bool] = []
+    tokenise = env.engine.char_spans
+
+    def char_spans(text: str) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return tokenise(text)
+
+    env.engine.char_spans = char_spans  # type: ignore[method-assign]
+    state.cached["span_cache"].char_spans = char_spans
+    for _ in range(2):
+        r = c.post("/predict", headers=READ, json=PREDICT)
+        assert [n["snippet"] for n in r.json()["neighbours"]] == SNIPPETS
+    # one tokenisation for two neighbours and two requests, in a worker thread
+    assert env.engine.span_calls == ["the cat sat on the mat"] and on_loop == [False]
+
+
+def test_forgetting_a_document_deletes_its_spans(env: Env) -> None:
+    doc_id = _memorise_cats(env)
+    sessions = env.client.app.state.memlm.sessions  # type: ignore[attr-defined]
+    with sessions() as s:
+        assert SpanRepository(s).many([doc_id])[doc_id].tolist() == [
+            [0, 3],
+            [4, 7],
+            [8, 11],
+            [12, 14],
+            [15, 18],
+            [19, 22],
+        ]
+    assert env.client.delete(f"/admin/documents/{doc_id}", headers=ADMIN).status_code == 202
+    assert env.drain() == 1
+    with sessions() as s:
+        assert SpanRepository(s).many([doc_id]) == {}
 
 
 def test_unexpected_errors_never_leak(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -738,6 +874,7 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
         "GET /admin/policy": [401, 500],
         "PUT /admin/policy": sorted([*body, *auth, 422, 500]),
         "DELETE /admin/documents/{doc_id}": sorted([*body, *auth, 404, 409, 422, 500]),
+        "POST /admin/documents/{doc_id}/retry": sorted([*body, *auth, 404, 409, 422, 500]),
         "GET /healthz": [500],
         "GET /readyz": [500, 503],
         "GET /metrics": [500],

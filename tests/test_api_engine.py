@@ -19,12 +19,12 @@ from sqlalchemy import select
 
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
-from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument
+from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument, SpanRepository
 from memlm.index import current_version, list_versions
 from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from workers.engine import day_number, open_engine, policy_factory
 from workers.ingest import IngestWorker
 
@@ -82,7 +82,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
             "/ingest", headers=INGEST, json={"documents": [doc(TEXT, title="Rates")]}
         ).json()["documents"]
         assert env.drain() == 1
-        d = c.get(f"/documents/{acc['id']}").json()
+        d = c.get(f"/documents/{acc['id']}", headers=INGEST).json()
         n_tokens = len(env.engine.encoder.tokenize(TEXT))
         assert d["status"] == "done" and d["tokens_seen"] == n_tokens - 1
         # A random model is surprised by every token: MoNIM (delta -1.5) stores them all.
@@ -99,13 +99,17 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert build["status"] == "done" and build["entries"] == n_tokens - 1
         assert build["version"] == str(env.engine.index.version)
 
-        after = c.post("/predict", json={"context": context, "neighbours": 3}).json()
+        after = c.post("/predict", headers=READ, json={"context": context, "neighbours": 3}).json()
         assert after["lambda"] == 0.25 and after["index_version"] == build["version"]
         top = after["neighbours"][0]
         # The same context was memorised: its own entry is at distance 0.
         assert top["document_id"] == acc["id"] and top["distance"] == pytest.approx(0, abs=1e-3)
         assert top["token"] == " interest" and top["title"] == "Rates"
         assert "[[ interest]]" in top["snippet"]
+        # the worker stored the tokenizer's offsets with the document: the snippet's source
+        with env.client.app.state.memlm.sessions() as db:  # type: ignore[attr-defined]
+            stored = SpanRepository(db).many([acc["id"]])[acc["id"]]
+        assert stored.tolist() == [list(x) for x in env.engine.encoder.char_offsets(TEXT)]
         mix = {s["token"]: s for s in after["suggestions"]}
         s = mix[" interest"]
         assert s["knn_prob"] > 0.3

@@ -19,7 +19,33 @@ from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine
 from memlm.knnlm import KnnParams
 
-WORDS = ["harbour", "ferry", "council", "minister", "budget", "election", "storm", "river", "bank", "market", "price", "oil", "gas", "court", "judge", "police", "report", "school", "hospital", "train", "station", "airport", "strike", "union", "vote"]
+WORDS = [
+    "harbour",
+    "ferry",
+    "council",
+    "minister",
+    "budget",
+    "election",
+    "storm",
+    "river",
+    "bank",
+    "market",
+    "price",
+    "oil",
+    "gas",
+    "court",
+    "judge",
+    "police",
+    "report",
+    "school",
+    "hospital",
+    "train",
+    "station",
+    "airport",
+    "strike",
+    "union",
+    "vote",
+]
 
 
 def _texts(n: int, seed: int) -> list[str]:

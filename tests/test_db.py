@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.exc import StatementError
@@ -20,8 +21,11 @@ from memlm.db.repositories import (
     DocumentRepository,
     NewDocument,
     PolicyRepository,
+    SpanRepository,
     StatsRepository,
     content_hash,
+    decode_spans,
+    encode_spans,
 )
 
 MakeSessions = Callable[[str], sessionmaker[Session]]
@@ -144,6 +148,30 @@ def test_skip_locked_lets_two_workers_claim_different_documents(
     finally:
         s1.close()
         s2.close()
+
+
+def test_spans_round_trip_replace_and_leave_with_forget(sessions: sessionmaker[Session]) -> None:
+    # tokens that share characters (one emoji in two byte tokens) and a gap (a space)
+    spans = np.array([[0, 3], [3, 7], [3, 7], [8, 200_000]], np.int64)
+    assert decode_spans(encode_spans(spans), 4).tolist() == spans.tolist()
+    with pytest.raises(ValueError, match="hold 4 tokens, 3 expected"):
+        decode_spans(encode_spans(spans), 3)
+    with sessions.begin() as s:
+        a, b = (x.id for x in DocumentRepository(s).add_many([new("x"), new("y")]))
+        SpanRepository(s).put(a, spans)
+        SpanRepository(s).put(b, None)  # an engine that cannot tell: nothing stored
+    with sessions.begin() as s:
+        got = SpanRepository(s).many([a, b, a])
+        assert list(got) == [a] and got[a].tolist() == spans.tolist()
+        SpanRepository(s).put(a, spans[:2])  # processed again: replaced
+    with sessions.begin() as s:
+        assert SpanRepository(s).many([a])[a].tolist() == [[0, 3], [3, 7]]
+        docs = DocumentRepository(s)
+        docs.get(a).status = "done"
+        docs.request_forget(a)
+        assert docs.mark_forgotten(a)
+    with sessions() as s:
+        assert SpanRepository(s).many([a]) == {}
 
 
 def test_builds_enqueue_claim_finish(sessions: sessionmaker[Session]) -> None:

@@ -62,9 +62,28 @@ def test_each_service_environment_makes_valid_production_settings(
         monkeypatch.setenv(name, _interpolate(value))
     s = Settings(_env_file=None)  # type: ignore[call-arg]
     assert (s.env, s.data_dir, s.rebuild_cron) == ("production", Path("/data"), "0 3 * * *")
-    assert s.db_url == "postgresql+psycopg://memlm:memlm@postgres:5432/memlm"
+    password = "test-secret-postgres_password"
+    assert s.db_url == f"postgresql+psycopg://memlm:{password}@postgres:5432/memlm"
     assert s.ingest_token.get_secret_value() == "test-secret-memlm_ingest_token"
+    assert s.read_tokens()[0] == "test-secret-memlm_read_token"
+    assert s.reads_protected  # /predict and /score need a token in production
     assert s.embedded_worker is (service != "api")
+
+
+def test_every_secret_must_be_set() -> None:
+    """No secret has a default: compose stops with the message unless it is set."""
+    services = _compose()["services"]
+    env = {
+        k: v for s in (*MEMLM_SERVICES, "postgres") for k, v in services[s]["environment"].items()
+    }
+    text = (ROOT / "docker-compose.yml").read_text()
+    secrets = ("POSTGRES_PASSWORD", "MEMLM_INGEST_TOKEN", "MEMLM_ADMIN_TOKEN", "MEMLM_READ_TOKEN")
+    for name in secrets:
+        assert f"${{{name}:?set {name}}}" in text, name
+        assert f"${{{name}:-" not in text, f"{name} has a default"
+    assert env["POSTGRES_PASSWORD"] == "${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}"
+    assert "${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}@" in env["MEMLM_DATABASE_URL"]
+    assert "MEMLM_PROTECT_READ" not in env  # production's default: reads need a token
 
 
 def test_migrations_run_before_api_worker_and_scheduler() -> None:

@@ -23,7 +23,7 @@ from memlm.db.migrate import (
 from memlm.db.models import Base
 from memlm.db.session import make_engine
 
-TABLES = {"documents", "day_stats", "index_builds", "policy_settings"}
+TABLES = {"documents", "document_spans", "day_stats", "index_builds", "policy_settings"}
 
 
 def _revisions() -> list[str]:

@@ -67,6 +67,27 @@ def test_weak_tokens_refused_outside_development(
     assert dev.admin_token.get_secret_value() == admin
 
 
+def test_reads_are_protected_outside_development_unless_opened() -> None:
+    tokens = {"ingest_token": "i" * 16, "admin_token": "a" * 16}
+    assert not make().reads_protected
+    assert make(protect_read=True).reads_protected
+    for env in ("test", "production"):
+        assert make(env=env, **tokens).reads_protected
+        assert not make(env=env, protect_read=False, **tokens).reads_protected
+    assert make(**tokens).read_tokens() == ["i" * 16, "a" * 16]
+    assert make(read_token="r" * 16, **tokens).read_tokens() == ["r" * 16, "i" * 16, "a" * 16]
+
+
+def test_read_token_is_checked_like_the_others() -> None:
+    with pytest.raises(ValidationError, match="MEMLM_READ_TOKEN is the development default"):
+        make(
+            env="production", ingest_token="i" * 16, admin_token="a" * 16, read_token=DEFAULT_SECRET
+        )
+    with pytest.raises(ValidationError, match="MEMLM_READ_TOKEN is empty"):
+        make(read_token="")
+    assert make(read_token=DEFAULT_SECRET).uses_default_secret()  # development: a warning
+
+
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
@@ -78,6 +99,7 @@ def test_weak_tokens_refused_outside_development(
         ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
         ("delta", float("nan"), "MEMLM_DELTA: delta must be a finite number in"),
         ("delta", 2.0, "MEMLM_DELTA: delta must be a finite number in"),
+        ("max_neighbours", 1001, "less than or equal to 1000"),
     ],
 )
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:

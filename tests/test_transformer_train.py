@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 from memlm.train.data import EncodedCorpus, stream_segments
 from memlm.train.transformer_train import (
+    STATE_FILE,
     ModelConfig,
     TrainConfig,
     batch_loss,
@@ -271,6 +273,32 @@ def test_resume_accepts_operational_changes_only(tmp_path: Path) -> None:
     r = train(build_model(TINY, V, 0), segs, short, tmp_path, progress=False, resume=False)
     assert (r.resumed_from, r.steps_done) == (0, 2)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-2"]
+
+
+class _Payload:
+    """Any pickled object that is not plain data: weights_only refuses to build it."""
+
+    ran = False
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_Payload.mark, ())
+
+    @staticmethod
+    def mark() -> None:
+        _Payload.ran = True
+
+
+def test_resume_loads_plain_data_only(tmp_path: Path) -> None:
+    segs = stream_segments(_corpus(), 8)
+    cfg = TrainConfig(objective="vanilla", seg_len=8, batch_segments=2, steps=4, save_every=2)
+    train(build_model(TINY, V, 0, seed=4), segs, cfg, tmp_path, progress=False, stop_after=2)
+    [ckpt] = (tmp_path / "checkpoints").iterdir()
+    state = torch.load(ckpt / STATE_FILE, weights_only=True)  # what train writes loads so
+    state["history"].append(_Payload())
+    torch.save(state, ckpt / STATE_FILE)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        train(build_model(TINY, V, 0), segs, cfg, tmp_path, progress=False)
+    assert not _Payload.ran
 
 
 def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:

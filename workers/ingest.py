@@ -43,6 +43,7 @@ from memlm.db.repositories import (
     BuildRepository,
     DocumentRepository,
     PolicyRepository,
+    SpanRepository,
     StatsRepository,
 )
 from memlm.locks import FileLock, LockBusy, held_elsewhere
@@ -284,6 +285,8 @@ class IngestWorker:
                         entry_end=int(result.end_entry),
                     )
                     StatsRepository(s).add_document(day, policy_name, seen, stored)
+                    # snippet offsets commit with the document (None from engines without)
+                    SpanRepository(s).put(doc_id, getattr(prepared, "char_spans", None))
             except Exception as exc:
                 # The commit failed: the entries must not outlive it (_failed cuts them
                 # now; any worker's next append would too), and the document is retried.

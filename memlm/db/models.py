@@ -1,4 +1,5 @@
-"""SQLAlchemy 2 tables: documents, per-day statistics, index builds, the active policy.
+"""SQLAlchemy 2 tables: documents (and their token offsets), per-day statistics, index builds,
+the active policy.
 
 Schemas for HTTP live in ``service.schemas``; these classes are storage only.
 Every timestamp column is :class:`UTCDateTime`: stored in UTC, read back aware (UTC).
@@ -16,8 +17,10 @@ from sqlalchemy import (
     Date,
     DateTime,
     Float,
+    ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -124,6 +127,25 @@ class Document(Base):
     # Datastore entries [entry_start, entry_end) appended for this document.
     entry_start: Mapped[int | None] = mapped_column(BigInteger)
     entry_end: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class DocumentSpans(Base):
+    """The character span of every token of a memorised document, written in the same
+    transaction that marks it done, so a neighbour's snippet is a slice of its text.
+
+    A row of its own (not a column of ``documents``) so that listing or claiming documents
+    never reads it, and forgetting a document deletes it (``mark_forgotten``).
+    """
+
+    __tablename__ = "document_spans"
+
+    document_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("documents.id", ondelete="CASCADE"), primary_key=True
+    )
+    tokens: Mapped[int] = mapped_column(Integer)
+    # zlib of the int32 differences of (start_0, end_0, start_1, end_1, ...): about one
+    # byte per token, where the raw spans take eight.
+    spans: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class DayStat(Base):

@@ -384,7 +384,9 @@ def train(
     if ckpt is not None:
         from safetensors.torch import load_file
 
-        state = torch.load(ckpt / STATE_FILE, weights_only=False)
+        # weights_only: a checkpoint folder is data, never code to run (plain dicts, lists,
+        # numbers and tensors are all that _save_checkpoint writes)
+        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         saved, wanted = _resume_key(state["config"]), _resume_key(asdict(cfg))
         if saved != wanted:
             diff = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))

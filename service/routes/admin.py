@@ -115,6 +115,7 @@ def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
     "/documents/{doc_id}/retry",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=DocumentOut,
+    responses=error_responses(400, 404, 409, 413, 422),
     summary="Queue a failed document again",
 )
 def retry(doc_id: RowId, session: DbSession) -> DocumentOut:

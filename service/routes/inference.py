@@ -11,15 +11,16 @@ from typing import Any, TypeVar
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from memlm.db.repositories import DocumentRepository, PolicyRepository
+from memlm.db.repositories import PolicyRepository
 from memlm.knnlm import MemoryOptions
 from memlm.settings import Settings
-from service.deps import EngineDep, ReadAuth, State
-from service.errors import PayloadTooLarge, error_responses
-from service.provenance import neighbours_out
+from service.deps import EngineDep, ReadAccess, ReadAuth, State
+from service.errors import InvalidRequest, PayloadTooLarge, error_responses
+from service.provenance import provenance
 from service.schemas import (
     MemoryOptionsIn,
     MemoryOut,
+    NeighbourOut,
     PredictRequest,
     PredictResponse,
     ScoreRequest,
@@ -134,13 +135,19 @@ def _check_size(state: AppState, text: str, name: str) -> None:
     "/predict",
     response_model=PredictResponse,
     response_model_by_alias=True,
-    dependencies=[ReadAuth],
     responses=error_responses(400, 401, 413, 422, 429, 503),
     summary="Next-token suggestions with the memory's neighbours",
 )
-async def predict(body: PredictRequest, state: State, engine: EngineDep) -> PredictResponse:
+async def predict(
+    body: PredictRequest, state: State, engine: EngineDep, may_read: ReadAccess
+) -> PredictResponse:
     """Top-N next tokens under the LM, the memory and their interpolation."""
     _check_size(state, body.context, "context")
+    limit = state.settings.max_neighbours
+    if body.neighbours > limit:
+        raise InvalidRequest(
+            f"neighbours: {body.neighbours} asked; at most {limit} (MEMLM_MAX_NEIGHBOURS)"
+        )
     executor = state.executor
     executor.check(PREDICT)  # refuse an overloaded queue before tokenising
     fit = await off_loop_if_long(
@@ -152,14 +159,14 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
     pred = await executor.batched(
         fn, (fn, opts), (fit.text, opts), kind=PREDICT, cost=request_cost(fit.tokens)
     )
-    docs = {}
-    if pred.neighbours:
-
-        def lookup() -> dict[int, Any]:
-            with state.sessions() as s:
-                return DocumentRepository(s).many(int(n.doc_id) for n in pred.neighbours)
-
-        docs = await run_in_threadpool(lookup)
+    neighbours: list[NeighbourOut] = []
+    if pred.neighbours:  # database reads and snippets: a worker thread, not the event loop
+        neighbours = await run_in_threadpool(
+            partial(provenance, snippets=may_read),
+            state.sessions,
+            pred.neighbours,
+            state.cached["span_cache"],
+        )
     return PredictResponse(
         suggestions=[
             Suggestion(
@@ -183,7 +190,7 @@ async def predict(body: PredictRequest, state: State, engine: EngineDep) -> Pred
             for w in getattr(pred, "words", [])
         ],
         **{"lambda": _lambda(pred)},
-        neighbours=neighbours_out(pred.neighbours, docs, state.cached.get("char_span")),
+        neighbours=neighbours,
         memory=memory_out(memory),
         index_version=_version(pred, state),
         context_tokens=fit.tokens,
