@@ -250,7 +250,7 @@ def test_admin_retry_queues_a_failed_document_again(any_env: Env) -> None:
         ).json()["documents"]
     ]
     assert env.drain() == 2
-    failed = c.get(f"/documents/{bad}").json()
+    failed = c.get(f"/documents/{bad}", headers=ADMIN).json()
     assert (failed["status"], failed["attempts"]) == ("failed", 1)
     # posting it again answers the document as it is; only the admin retry queues it
     again = c.post("/ingest", headers=INGEST, json={"documents": [doc("a poison b")]}).json()
@@ -276,7 +276,7 @@ def test_admin_retry_queues_a_failed_document_again(any_env: Env) -> None:
     assert missing.status_code == 404 and missing.json()["error"] == "not_found"
     env.engine.fail_on = None  # the cause is fixed: the retry memorises it
     assert env.drain() == 1
-    out = c.get(f"/documents/{bad}").json()
+    out = c.get(f"/documents/{bad}", headers=ADMIN).json()
     assert (out["status"], out["attempts"], out["tokens_seen"]) == ("done", 0, 2)
 
 
@@ -588,7 +588,7 @@ def test_every_error_body_is_the_error_model(env: Env) -> None:
     answers = {
         "validation 422": c.post("/predict", json={"context": 5}),
         "json 422": c.post("/predict", content=b"{", headers={"Content-Type": "application/json"}),
-        "path 422": c.get("/documents/abc"),
+        "path 422": c.get("/documents/abc", headers=ADMIN),
         "404 route": c.get("/nowhere"),
         "405": c.put("/predict", json={}),
         "401": c.get("/admin/stats"),

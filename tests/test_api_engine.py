@@ -327,7 +327,7 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
         c.post("/admin/rebuild", headers=ADMIN)
         assert env.drain() == 1
         env.sync()
-        secret = c.get(f"/documents/{ids[1]}").json()
+        secret = c.get(f"/documents/{ids[1]}", headers=ADMIN).json()
         span = np.arange(secret["entry_start"], secret["entry_end"])
         assert len(span) == secret["tokens_stored"] == len(tiny.tokenize(SECRET)) - 1
         keys16 = ds.keys(span)
@@ -357,7 +357,7 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
         env.sync()
         hidden = c.post("/predict", json=snow).json()["neighbours"]
         assert len(hidden) == 8 and ids[2] not in {n["document_id"] for n in hidden}
-        n_other = c.get(f"/documents/{ids[2]}").json()["tokens_stored"]
+        n_other = c.get(f"/documents/{ids[2]}", headers=ADMIN).json()["tokens_stored"]
 
         assert env.drain() == 2  # the worker deletes them ...
         c.post("/admin/rebuild", headers=ADMIN)
@@ -377,7 +377,7 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
         # Both documents' rows leave; the segment keeps a 4-byte id for each remaining row.
         row = 2 * ds.dim + 20
         assert st["bytes_reclaimed"] == (len(span) + n_other) * row - 4 * ds.num_live > 0
-        gone = c.get(f"/documents/{ids[1]}").json()
+        gone = c.get(f"/documents/{ids[1]}", headers=ADMIN).json()
         assert (gone["status"], gone["title"], gone["tokens_stored"]) == (
             "forgotten",
             "Hedge",
