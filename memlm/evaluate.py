@@ -15,7 +15,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,8 @@ from memlm.corpus import Document, by_day
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
-from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+from memlm.interpolation import TuneGrid, ppl, token_logprobs, tune
+from memlm.knnlm import KnnParams, has_neighbours
 from memlm.lexical import LexicalStats
 from memlm.policy import (
     DEFAULT_DELTA,
@@ -106,12 +106,20 @@ def plan_stream(
 
 
 class TokenCache:
-    """Per-document encoder outputs on disk, keyed by model, window and token ids."""
+    """Per-document encoder outputs on disk, keyed by model, window and token ids.
+
+    Keys are kept in float32, as the encoder returns them: held-out tokens query the
+    memory with the same float32 keys the service queries with (the datastore stores
+    float16 keys either way).  Caches written before that held float16 keys; the
+    ``-k32`` directory suffix keeps the two from ever mixing.
+    """
 
     def __init__(self, encoder: Encoder, window: WindowConfig, root: Path | None = None):
         self.encoder, self.window = encoder, window
         slug = encoder.name.replace("/", "_")
-        self.root = (root or cache_dir() / "encoded") / f"{slug}-c{window.context}-s{window.stride}"
+        self.root = (
+            root or cache_dir() / "encoded"
+        ) / f"{slug}-c{window.context}-s{window.stride}-k32"
         self.root.mkdir(parents=True, exist_ok=True)
         self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
         self.encode_seconds = 0.0
@@ -129,7 +137,9 @@ class TokenCache:
             if p.exists():
                 with np.load(p) as z:
                     arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
-                arrays["keys"] = arrays["keys"].astype(np.float32)
+                if arrays["keys"].dtype != np.float32:  # not written by this version
+                    missing.append(i)
+                    continue
                 pos = arrays["positions"]
                 arrays["prev_tokens"] = np.asarray(doc_ids, np.int64)[pos - 1]
                 out[i] = TokenOutputs(**arrays)
@@ -147,10 +157,10 @@ class TokenCache:
                 tmp = p.with_suffix(".tmp.npz")
                 arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
                 del arrays["prev_tokens"]  # derived from the token ids on load
-                arrays["keys"] = o.keys.astype(np.float16)  # the datastore keeps float16 keys
+                arrays["keys"] = o.keys.astype(np.float32)  # queries in float32, as served
                 np.savez(tmp, **arrays)
                 tmp.replace(p)
-                o.keys = o.keys.astype(np.float16).astype(np.float32)  # same values as a reload
+                o.keys = arrays["keys"]  # same values as a reload
                 out[i] = o
         return [out[i] for i in range(len(texts))]
 
@@ -342,53 +352,6 @@ def run_policy(
         if on_day:
             on_day(stats)
     return PolicyRun(name, days, dev.arrays(k_max), test.arrays(k_max), ds.num_live, seen, stored)
-
-
-# --- tuning on dev, scoring test -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TuneGrid:
-    ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
-    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-    lambdas: tuple[float, ...] = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7)
-
-
-def token_logprobs(split: dict[str, np.ndarray], params: KnnParams) -> np.ndarray:
-    """Augmented log p(gold) of each held-out token under ``params``."""
-    k = min(params.k, split["values"].shape[1])
-    vals = split["values"][:, :k]
-    ids = np.where(vals >= 0, 0, -1)
-    gold = split["gold"][:, None]
-    knn = knn_logprob(split["distances"][:, :k], ids, vals, gold, params.temperature)[:, 0]
-    return interpolate(split["target_lm_logprob"], knn, params.lmbda, has_neighbours(ids))
-
-
-def ppl(logprobs: np.ndarray) -> float:
-    return float(math.exp(-float(np.mean(logprobs)))) if logprobs.size else float("nan")
-
-
-def tune(split: dict[str, np.ndarray], grid: TuneGrid) -> tuple[KnnParams, float]:
-    """The (k, T, lambda) with the lowest perplexity on ``split``."""
-    best: tuple[float, KnnParams] | None = None
-    if split["values"].size == 0 or (split["values"] < 0).all():
-        return KnnParams(lmbda=0.0), ppl(split["target_lm_logprob"])
-    k_max = split["values"].shape[1]
-    for k in grid.ks:
-        if k > k_max:
-            continue
-        for t in grid.temperatures:
-            base = KnnParams(k=k, temperature=t, lmbda=0.0)
-            vals = split["values"][:, :k]
-            ids = np.where(vals >= 0, 0, -1)
-            knn = knn_logprob(split["distances"][:, :k], ids, vals, split["gold"][:, None], t)[:, 0]
-            valid = has_neighbours(ids)
-            for lam in grid.lambdas:
-                p = ppl(interpolate(split["target_lm_logprob"], knn, lam, valid))
-                if best is None or p < best[0]:
-                    best = (p, KnnParams(k=base.k, temperature=t, lmbda=lam))
-    assert best is not None
-    return best[1], best[0]
 
 
 # --- the whole evaluation --------------------------------------------------------------------

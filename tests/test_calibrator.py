@@ -252,8 +252,13 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     vdir = tmp_path / "data" / "index" / f"v{info.version:06d}"
     assert (vdir / "lexical.npz").exists()
     assert eng.predict("The harbour authority in Port").lam == 0.5  # no calibrator yet
-    report = eng.train_calibrator([NEWS], day=19000)
-    n = len(enc.tokenize(NEWS)) - 1
+    # three 64-token validation blocks' worth: the calibrator must beat the constant on them
+    report = eng.train_calibrator([NEWS * 3], day=19000)
+    n = len(enc.tokenize(NEWS * 3)) - 1
+    choice = report["interpolation"]
+    assert choice["calibrator"]["val_tokens"] > 0
+    assert choice["calibrator"]["val_nll"] < choice["calibrator"]["constant_val_nll"]
+    assert choice["lambda_source"] == "calibrator"
     assert report["trained"] is True and report["training_tokens"] == report["new_tokens"] == n
     assert report["calibrator"]["epochs"] == 5 and report["calibrator"]["warm_start"] is False
     assert report["calibrator"]["train_tokens"] + report["calibrator"]["val_tokens"] == n

@@ -86,6 +86,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator
+    interpolation = getattr(info, "interpolation", None)
+    if interpolation is not None:  # the constant chosen and whether the calibrator beat it
+        params["interpolation"] = interpolation
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,
