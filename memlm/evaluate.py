@@ -28,7 +28,16 @@ from memlm.corpus import Document, by_day
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
-from memlm.interpolation import TuneGrid, ppl, token_logprobs, tune
+from memlm.interpolation import (
+    MIN_TUNE_TOKENS,
+    SERVED_DEFAULT,
+    SERVED_GRID,
+    TuneGrid,
+    choose_constant,
+    ppl,
+    token_logprobs,
+    tune,
+)
 from memlm.knnlm import KnnParams, has_neighbours
 from memlm.lexical import LexicalStats
 from memlm.policy import (
@@ -100,6 +109,68 @@ def plan_stream(
         if days is not None and len(plans) >= days:
             break
     return plans
+
+
+class SplitError(ValueError):
+    """A split file names a document twice, one outside the corpus, or unknown keys."""
+
+
+def plan_from_split(
+    docs: Sequence[Document],
+    split: dict[str, list[str]],
+    *,
+    days: int | None = None,
+    start: dt.date | None = None,
+) -> list[DayPlan]:
+    """The plan a split file gives: which document ids go to memory, dev and test.
+
+    ``split``: {"memory": [...], "dev": [...], "test": [...]} of ``Document.id``; within a
+    day each list keeps the file's order (memory: the ingest order).  Days holding none of
+    them are left out; ``days`` and ``start`` slice the rest.  An id named twice or not in
+    the corpus is an error.
+    """
+    roles: dict[str, str] = {}
+    for role in ("memory", "dev", "test"):
+        for doc_id in split.get(role, []):
+            if doc_id in roles:
+                raise SplitError(f"document {doc_id!r} is in both {roles[doc_id]} and {role}")
+            roles[doc_id] = role
+    extra = set(split) - {"memory", "dev", "test"}
+    if extra:
+        raise SplitError(f"unknown split keys {sorted(extra)}; use memory, dev and test")
+    unknown = set(roles) - {d.id for d in docs}
+    if unknown:
+        raise SplitError(
+            f"{len(unknown)} ids of the split are not in the corpus: {sorted(unknown)[:5]}"
+        )
+    order = {
+        doc_id: i
+        for role in ("memory", "dev", "test")
+        for i, doc_id in enumerate(split.get(role, []))
+    }
+    plans: list[DayPlan] = []
+    for day, batch in by_day(docs):
+        if start is not None and day < start:
+            continue
+        parts = {
+            role: sorted((d for d in batch if roles.get(d.id) == role), key=lambda d: order[d.id])
+            for role in ("memory", "dev", "test")
+        }
+        if not any(parts.values()):
+            continue
+        plans.append(DayPlan(day, parts["memory"], parts["dev"], parts["test"]))
+        if days is not None and len(plans) >= days:
+            break
+    return plans
+
+
+def split_of(plans: Sequence[DayPlan]) -> dict[str, list[str]]:
+    """The split file of a plan (what ``--split`` reads back into the same plan)."""
+    return {
+        "memory": [d.id for p in plans for d in p.train],
+        "dev": [d.id for p in plans for d in p.dev],
+        "test": [d.id for p in plans for d in p.test],
+    }
 
 
 # --- cached LM outputs ------------------------------------------------------------------------
@@ -235,6 +306,7 @@ class DayStats:
     tokens_stored: int
     entries: int
     seconds: float
+    ingest: dict[str, Any] = field(default_factory=dict)  # the interpolation MoNIM asked
 
 
 @dataclass
@@ -284,13 +356,21 @@ def run_policy(
     cache: TokenCache,
     workdir: Path,
     *,
-    ingest_params: KnnParams,
+    ingest_params: KnnParams | None,
     k_max: int,
     index_kind: str = "auto",
     on_day: Callable[[DayStats], None] | None = None,
     trime: TrimeSpec | None = None,
+    served_grid: TuneGrid = SERVED_GRID,
+    served_default: KnnParams = SERVED_DEFAULT,
 ) -> PolicyRun:
-    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens."""
+    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
+
+    ``ingest_params``: the constant MoNIM scores with; None: the interpolation the service
+    would serve, ``served_default`` until the dev tokens of the days so far (each searched
+    against its evening's memory, as the service's held-out tokens are) choose one from
+    ``served_grid`` after an evening's build, as the service does at its nightly build.
+    """
     name = policy.name if policy is not None else "bare"
     shutil.rmtree(workdir, ignore_errors=True)
     ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
@@ -300,10 +380,21 @@ def run_policy(
     days: list[DayStats] = []
     seen = stored = 0
     doc_no = 0
+    served: dict[str, Any] = {
+        "params": ingest_params or served_default,
+        "source": "fixed" if ingest_params is not None else "default",
+    }
     for plan in plans:
         t0 = time.perf_counter()
         dnum = day_number(plan.day)
         day_seen = day_stored = 0
+        knn: KnnParams = served["params"]
+        asked = {
+            "k": knn.k,
+            "temperature": knn.temperature,
+            "lambda": knn.lmbda,
+            "source": served["source"],
+        }
         outs = cache.get_many([d.text for d in plan.train])
         for o in outs:
             doc_no += 1
@@ -313,8 +404,8 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, _, vals = index.search_values(o.keys, ingest_params.k)
-                scores = token_scores(cache.encoder, o, dist, vals, ingest_params)
+                dist, _, vals = index.search_values(o.keys, knn.k)
+                scores = token_scores(cache.encoder, o, dist, vals, knn)
             else:
                 nan = np.full(n, np.nan)
                 scores = TokenScores(nan, nan, o.key_ce)
@@ -343,10 +434,20 @@ def run_policy(
                 dist, _, vals = index.search_values(o.keys, k_max)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
+        if ingest_params is None and policy is not None and policy.needs_augmented:
+            choice = choose_constant(
+                dev.arrays(k_max), served_grid, served_default, min_tokens=MIN_TUNE_TOKENS
+            )
+            served = {"params": choice.params, "source": choice.source}
         seen += day_seen
         stored += day_stored
         stats = DayStats(
-            plan.day.isoformat(), day_seen, day_stored, ds.num_live, time.perf_counter() - t0
+            plan.day.isoformat(),
+            day_seen,
+            day_stored,
+            ds.num_live,
+            time.perf_counter() - t0,
+            asked if policy is not None and policy.needs_augmented else {},
         )
         days.append(stats)
         if on_day:
@@ -373,7 +474,14 @@ class EvalConfig:
     delta: float = DEFAULT_DELTA
     kl_delta: float = DEFAULT_KL_DELTA
     rand_rate: float | None = None  # None: MoNIM's measured rate (0.5 if MoNIM is not run)
-    ingest: KnnParams = field(default_factory=KnnParams)
+    # MoNIM's ingest interpolation; None: the one the service would serve (run_policy)
+    ingest: KnnParams | None = None
+    # Fixed k, T, lambda (outside comparisons): not tuned, for test and ingest alike
+    k: int | None = None
+    temperature: float | None = None
+    lmbda: float | None = None
+    split: dict[str, list[str]] | None = None  # --split: document ids of memory, dev, test
+    split_file: str | None = None
     k_max: int = 1024  # MoNIM searches 1K neighbours; tuning picks k <= k_max on dev
     index_kind: str = "auto"
     grid: TuneGrid = field(default_factory=TuneGrid)
@@ -398,16 +506,20 @@ def evaluate(
     encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
     if "monim-kl" in cfg.policies:
         encoder.compute_key_ce = True
-    plans = plan_stream(
-        docs,
-        days=cfg.days,
-        start=cfg.start,
-        max_docs_per_day=cfg.max_docs_per_day,
-        max_eval_docs_per_day=cfg.max_eval_docs_per_day,
-        dev_share=cfg.dev_share,
-        test_share=cfg.test_share,
-        seed=cfg.seed,
-    )
+    if cfg.split is not None:
+        plans = plan_from_split(docs, cfg.split, days=cfg.days, start=cfg.start)
+    else:
+        plans = plan_stream(
+            docs,
+            days=cfg.days,
+            start=cfg.start,
+            max_docs_per_day=cfg.max_docs_per_day,
+            max_eval_docs_per_day=cfg.max_eval_docs_per_day,
+            dev_share=cfg.dev_share,
+            test_share=cfg.test_share,
+            seed=cfg.seed,
+        )
+    (out / "split.json").write_text(json.dumps(split_of(plans), indent=1))
     cache = TokenCache(encoder, cfg.window, root=None)
     if encoder.compute_key_ce:
         cache.root = cache.root.with_name(cache.root.name + "-kce")
@@ -450,6 +562,12 @@ def evaluate(
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             trime=cfg.trime,
+            served_grid=_fixed(SERVED_GRID, cfg),
+            served_default=KnnParams(
+                k=cfg.k or SERVED_DEFAULT.k,
+                temperature=cfg.temperature or SERVED_DEFAULT.temperature,
+                lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
+            ),
         )
         runs[name] = run
         echo(
@@ -463,6 +581,11 @@ def evaluate(
     (out / "report.md").write_text(render_markdown(report))
     _plots(report, out)
     return report
+
+
+def _fixed(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
+    """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""
+    return grid.fixed(k=cfg.k, temperature=cfg.temperature, lmbda=cfg.lmbda)
 
 
 def _report(
@@ -481,7 +604,7 @@ def _report(
             params, dev_ppl = KnnParams(lmbda=0.0), ppl(run.dev["target_lm_logprob"])
             test_lp = run.test["target_lm_logprob"]
         else:
-            params, dev_ppl = tune(run.dev, cfg.grid)
+            params, dev_ppl = tune(run.dev, _fixed(cfg.grid, cfg))
             test_lp = token_logprobs(run.test, params)
             if cfg.lambda_mode == "calibrated":
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
@@ -518,6 +641,7 @@ def _report(
                     "memrate_cumulative": cum_stored / cum_seen if cum_seen else 0.0,
                     "test_ppl_so_far": ppl(sofar),
                     "seconds": round(ds_.seconds, 2),
+                    "ingest_knn": ds_.ingest or None,
                 }
             )
         per_day[name] = rows
@@ -537,13 +661,19 @@ def _report(
             },
             "window": asdict(cfg.window),
             "k_max": cfg.k_max,
-            "ingest_knn": asdict(cfg.ingest),
+            "ingest_knn": "served" if cfg.ingest is None else asdict(cfg.ingest),
+            "fixed": {"k": cfg.k, "temperature": cfg.temperature, "lambda": cfg.lmbda},
+            "split_file": cfg.split_file,
+            # the cache keeps the encoder's float32 keys: held-out and ingest queries are
+            # float32, as the service's; the datastore stores float16 keys
+            "query_precision": "float32",
             "delta": cfg.delta,
             "kl_delta": cfg.kl_delta,
             "rand_rate": runs["randmem"].memrate if "randmem" in runs else None,
             "seeds": {"split": cfg.seed, "randmem": cfg.seed},
             "index_kind": cfg.index_kind,
-            "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to test",
+            "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to "
+            "test; values fixed by --k/--temperature/--lambda-value are not tuned",
             "lambda_mode": cfg.lambda_mode,
             "trime": None if cfg.trime is None else asdict(cfg.trime),
             "gate_theta": cfg.gate_theta if cfg.lambda_mode == "calibrated" else None,

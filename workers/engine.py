@@ -65,11 +65,6 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
 
     # Served before a build chooses: the measured default, with any value the settings fix.
     # Each build tunes the values the settings leave open on the held-out tokens.
-    fixed = {
-        "k": settings.knn_k,
-        "temperature": settings.knn_temperature,
-        "lmbda": settings.knn_lambda,
-    }
     knn = KnnParams(
         k=settings.knn_k or SERVED_DEFAULT.k,
         temperature=settings.knn_temperature or SERVED_DEFAULT.temperature,
@@ -79,7 +74,9 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         settings.datastore_dir,
         model=settings.model,
         knn=knn,
-        grid=SERVED_GRID.fixed(**fixed),
+        grid=SERVED_GRID.fixed(
+            k=settings.knn_k, temperature=settings.knn_temperature, lmbda=settings.knn_lambda
+        ),
         policy=settings.policy,
         delta=settings.delta,
         rate=settings.randmem_rate,
