@@ -29,7 +29,7 @@ from memlm.policy import make_policy
 
 CANDIDATES = [
     KnnParams(k=k, temperature=t, lmbda=lam)
-    for k, t, lam in itertools.product((16, 64), (1.0, 2.0, 5.0), (0.02, 0.05, 0.1, 0.25))
+    for k, t, lam in itertools.product((16, 64), (1.0, 2.0, 5.0), (0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
 ]
 
 

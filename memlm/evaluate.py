@@ -363,6 +363,7 @@ def run_policy(
     trime: TrimeSpec | None = None,
     served_grid: TuneGrid = SERVED_GRID,
     served_default: KnnParams = SERVED_DEFAULT,
+    served_min_tokens: int = MIN_TUNE_TOKENS,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
 
@@ -436,7 +437,7 @@ def run_policy(
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         if ingest_params is None and policy is not None and policy.needs_augmented:
             choice = choose_constant(
-                dev.arrays(k_max), served_grid, served_default, min_tokens=MIN_TUNE_TOKENS
+                dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
             )
             served = {"params": choice.params, "source": choice.source}
         seen += day_seen

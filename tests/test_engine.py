@@ -195,3 +195,32 @@ def test_long_term_memory_reaches_before_the_window(tmp_path, encoder):
     np.testing.assert_allclose(keys_l[:8].numpy(), before.keys[-8:], rtol=1e-5)
     keys_s, values_s = eng._context_memory(ids, keys[0, :7], ids[-8:], MemoryOptions(local=True))
     assert values_s.tolist() == ids[-7:] and keys_s.shape == (7, eng.encoder.dim)
+
+
+def test_monim_decides_with_the_served_interpolation(tmp_path, encoder):
+    """Ingest scoring asks the model served now: once a build serves lambda 0, MoNIM
+    decides exactly as it would with the bare LM (and /score agrees with it)."""
+    from memlm.interpolation import TuneGrid
+
+    eng = Engine.open(
+        tmp_path / "data",
+        encoder=encoder,
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),  # served until a build chooses
+        grid=TuneGrid(ks=(8,), temperatures=(1.0,), lambdas=(0.0,)),  # what builds choose
+    )
+    eng.process_document(1, TEXT, 19000, policy="fullmem")
+    out = encoder.encode_ids(encoder.tokenize(TEXT))
+    bare = out.target_logprob < -1.5  # MoNIM's rule on the bare LM
+    before = eng.prepare_document(2, TEXT, 19001, policy="monim").store
+    assert bare.sum() == len(bare) and before.sum() < len(before)  # lambda 0.5 matters
+    info = eng.rebuild()
+    assert (info.interpolation["lambda"], info.interpolation["source"]) == (0.0, "fixed")
+    assert eng.knn == KnnParams(k=8, temperature=1.0, lmbda=0.0)
+    after = eng.prepare_document(2, TEXT, 19001, policy="monim").store
+    np.testing.assert_array_equal(after, bare)
+    sc = eng.score(TEXT, policy="monim")
+    assert sc.would_store == bare.tolist()
+    np.testing.assert_array_equal(sc.logprobs, sc.lm_logprobs)
+    st = eng.stats()["interpolation"]
+    assert (st["k"], st["temperature"], st["lambda"]) == (8, 1.0, 0.0)
+    assert (st["source"], st["lambda_source"], st["chosen_for"]) == ("fixed", "constant", 1)
