@@ -29,7 +29,9 @@ from memlm.policy import make_policy
 
 CANDIDATES = [
     KnnParams(k=k, temperature=t, lmbda=lam)
-    for k, t, lam in itertools.product((16, 64), (1.0, 2.0, 5.0), (0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
+    for k, t, lam in itertools.product(
+        (16, 64), (1.0, 2.0, 5.0), (0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+    )
 ]
 
 
@@ -55,16 +57,18 @@ def main() -> None:
             held = {k: np.concatenate([run.dev[k], run.test[k]]) for k in run.dev}
             days = sorted(set(held["day"].tolist()))
             bare = held["target_lm_logprob"]
-            print(f"\n{name}: {run.entries} entries, {len(bare)} held-out tokens, "
-                  f"bare ppl {ppl(bare):.2f}")
+            print(
+                f"\n{name}: {run.entries} entries, {len(bare)} held-out tokens, "
+                f"bare ppl {ppl(bare):.2f}"
+            )
             print("k  T    lambda  ppl     vs bare  worst day vs bare")
             for p in CANDIDATES:
                 lp = token_logprobs(held, p)
-                worst = max(
-                    ppl(lp[held["day"] == d]) / ppl(bare[held["day"] == d]) for d in days
+                worst = max(ppl(lp[held["day"] == d]) / ppl(bare[held["day"] == d]) for d in days)
+                print(
+                    f"{p.k:<3d}{p.temperature:<5g}{p.lmbda:<8g}{ppl(lp):<8.2f}"
+                    f"{ppl(lp) / ppl(bare) - 1:+7.1%}  {worst - 1:+7.1%}"
                 )
-                print(f"{p.k:<3d}{p.temperature:<5g}{p.lmbda:<8g}{ppl(lp):<8.2f}"
-                      f"{ppl(lp) / ppl(bare) - 1:+7.1%}  {worst - 1:+7.1%}")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ SERVED_GRID = TuneGrid(
 # (benchmarks/served_defaults.py, docs/calibrator.md): with 4 articles a day it is 0.6%
 # better than the bare LM with FullMem and MoNIM alike, with 20 a day 1.8-1.9% better, and
 # no day is worse; lambda 0.02 loses up to 0.6% on a day with 4 articles a day, and the
-# earlier default (k 64, T 5, lambda 0.25) 14-19% overall.
+# earlier default (k 64, T 5, lambda 0.25) 5-17% overall.
 SERVED_DEFAULT = KnnParams(k=64, temperature=2.0, lmbda=0.005)
 # Fewer held-out tokens with a neighbour than this: keep the default (a few hundred
 # tokens of one article would pick whatever suits that article).
