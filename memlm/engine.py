@@ -181,7 +181,6 @@ class Engine:
         self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
         self._building = 0
         self._set_key_ce(self.policy)
-        # lambda per token from the calibrator trained for the served index version
         # The served interpolation (constant k, T, lambda or the calibrator) of the served
         # index version; every call reads ``self.calibration.served`` once.
         self.calibration = ServedCalibration(

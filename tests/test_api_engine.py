@@ -216,7 +216,9 @@ def test_bundled_smollm2_neighbours_come_from_the_ingested_article(
 ) -> None:
     from memlm.encoder import Encoder
 
-    settings = make_settings(tmp_path, sqlite_url)
+    # The memory's pull on the words is the point here, so a fixed lambda of 0.25 (the
+    # served default, 0.005, barely moves a word before a build tunes it)
+    settings = make_settings(tmp_path, sqlite_url, knn_k=64, knn_temperature=5.0, knn_lambda=0.25)
     for env in _env(settings, Encoder.load("smollm2-135m", threads=1)):
         c = env.client
         docs = [doc(TEXT, title="Rates", source="news"), doc(OTHER, title="Snow", source="news")]

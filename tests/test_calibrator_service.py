@@ -5,6 +5,7 @@ its lambda; a crash between append and commit records and counts nothing twice."
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,27 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
         assert b3["calibrator"]["carried_from"] == 2
         st = c.get("/admin/stats", headers=ADMIN).json()["calibrator"]
         assert not st["active"] and (st["index_version"], st["trained_for"]) == ("3", "2")
+        # the build record and /admin/stats show the choice written beside version 3
+        on_disk = json.loads(
+            (settings.datastore_dir / "index" / "v000003" / "interpolation.json").read_text()
+        )
+        assert b3["interpolation"] == on_disk
+        assert on_disk["calibrator"]["calibrator_version"] == 3  # the carried copy, compared again
+        assert on_disk["tokens"] == tokens_a + tokens_b
+        assert c.get("/admin/stats", headers=ADMIN).json()["interpolation"] == {
+            "index_version": "3",
+            "chosen_for": "3",
+            "k": 8,
+            "temperature": 1.0,
+            "lambda": 0.5,
+            "source": "fixed",
+            "lambda_source": "constant",
+            "heldout_tokens": tokens_a + tokens_b,
+            "heldout_ppl": on_disk["ppl"],
+            "heldout_bare_ppl": on_disk["bare_ppl"],
+            "calibrator_val_ppl": None,
+            "constant_val_ppl": None,
+        }
         assert st["pending_tokens"] == 0 and st["gate"] is True
 
         # --- the API serves the constant 0.5, not the calibrator that did not beat it -------
