@@ -478,11 +478,11 @@ class Engine:
             keys,
             hidden,
             prev,
-            served,
             k=max(served.params.k, neighbours),
             lookup=neighbours > 0,
             mems=mems,
             tau=trime.tau if trime else 1.0,
+            served=served,
         )
         word_lists: list[list[WordSuggestion]] = [[] for _ in contexts]
         if words:
@@ -516,18 +516,19 @@ class Engine:
         keys: torch.Tensor,
         hidden: torch.Tensor,
         prev: np.ndarray,
-        served: ServedInterpolation,
         *,
         k: int,
         lookup: bool = False,
         mems: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tau: float = 1.0,
+        served: ServedInterpolation | None = None,
     ) -> _NextToken:
         """Next-token distributions of R rows from their keys (R, d) and head inputs (R, h).
 
         The retrieval gate may skip a row's search (it then keeps the LM answer); ``lookup``
         searches every row anyway, for the neighbours the caller asked for.
         """
+        served = served or self.served  # the caller's, read once for its whole call
         logits = self.encoder.logits(hidden)  # (R, V)
         logp = torch.log_softmax(logits, dim=-1).numpy()
         lm = np.exp(logp)
@@ -624,10 +625,10 @@ class Engine:
                 k,
                 h,
                 tokens,
-                served,
                 k=served.params.k,
                 mems=rows_mem,
                 tau=memory.tau if memory else 1.0,
+                served=served,
             )
             row_ctx, row_keys, row_new = ctx, k, new
             return Distributions(d.prob, d.lm, d.knn)
