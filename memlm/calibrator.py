@@ -43,6 +43,7 @@ from torch import nn
 from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
 
 if TYPE_CHECKING:
+    from memlm.interpolation import ConstantChoice, TuneGrid
     from memlm.lexical import LexicalStats
 
 TOP_N = 10  # neighbours described by the density features (App. A.3: i = 1..10)
@@ -560,24 +561,136 @@ def _stat(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+@dataclass(frozen=True)
+class ServedInterpolation:
+    """The interpolation one served index version answers and decides with.
+
+    ``params``: the constant chosen at that version's build (k and T of p_kNN, and lambda
+    unless the calibrator is used); ``calibrator``: lambda per token, used only when it beat
+    the constant on the same validation tokens (``use_calibrator``); ``gate``: skips the
+    search where its lambda is below ``theta``.  The engine reads it once per call and the
+    loader replaces it whole, so a call never mixes two versions' parameters.
+    """
+
+    params: KnnParams
+    version: int | None = None  # the index version it was loaded for
+    record: dict[str, Any] = field(default_factory=dict)  # interpolation.json ({}: none yet)
+    calibrator: Calibrator | None = None  # the newest calibrator at or below ``version``
+    calibrator_version: int | None = None  # the version directory it was loaded from
+    use_calibrator: bool = False
+    gate: Calibrator | None = None
+    theta: float = 0.0
+    lexical: LexicalStats | None = None  # what the calibrator's lexical features read
+
+    @property
+    def lambda_source(self) -> str:
+        return "calibrator" if self.use_calibrator and self.calibrator is not None else "constant"
+
+    def gate_mask(
+        self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
+    ) -> np.ndarray:
+        """(m,) bool: search these tokens (all of them without a gate or with theta 0)."""
+        if self.gate is None or self.theta <= 0 or self.lexical is None:
+            return np.ones(len(top_logprob), bool)
+        pre = token_features(top_logprob, entropy, self.lexical.features(prev_tokens))
+        return self.gate.predict({n: pre[n] for n in self.gate.cfg.features}) >= self.theta
+
+    def calibrated(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+    ) -> np.ndarray | None:
+        """(m,) lambda from the served calibrator, None when the constant is served."""
+        if self.lambda_source != "calibrator" or self.lexical is None:
+            return None
+        assert self.calibrator is not None
+        lex = self.lexical.features(prev_tokens)
+        feats = token_features(top_logprob, entropy, lex, distances, values)
+        return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
+
+    def lambdas(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+    ) -> np.ndarray:
+        """(m,) lambda of each token: the calibrator's or the constant, 0 where the gate
+        skips the search.  distances, values: (m, >= params.k) search results."""
+        cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
+        lam = np.full(len(top_logprob), self.params.lmbda) if cal is None else cal
+        return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        """What /admin/stats shows: the served constant, where it came from, lambda's source."""
+        rec = self.record
+        return {
+            "index_version": self.version,
+            "chosen_for": rec.get("index_version"),
+            "k": self.params.k,
+            "temperature": self.params.temperature,
+            "lambda": self.params.lmbda,
+            "source": rec.get("source", "default"),
+            "lambda_source": self.lambda_source,
+            "heldout_tokens": rec.get("tokens", 0),
+            "heldout_ppl": rec.get("ppl"),
+            "heldout_bare_ppl": rec.get("bare_ppl"),
+            "calibrator_val_ppl": _exp((rec.get("calibrator") or {}).get("val_nll")),
+            "constant_val_ppl": _exp((rec.get("calibrator") or {}).get("constant_val_nll")),
+        }
+
+
+def _exp(nll: float | None) -> float | None:
+    return None if nll is None else float(math.exp(nll))
+
+
+def validation_rows(rows: dict[str, np.ndarray], cfg: CalibratorConfig) -> np.ndarray:
+    """(n,) bool: the rows a calibrator trained on ``rows`` with ``cfg`` validated on.
+
+    The same split as :meth:`ServedCalibration.retrain` makes: per day, the rows with a
+    neighbour, in order, cut by :func:`validation_mask` salted with the day.
+    """
+    n = len(rows["day"]) if rows else 0
+    out = np.zeros(n, bool)
+    if not n:
+        return out
+    valid = has_neighbours(np.where(rows["values"] >= 0, 0, -1))
+    for day in sorted(set(rows["day"].tolist())):
+        idx = np.flatnonzero((rows["day"] == day) & valid)
+        out[idx[validation_mask(len(idx), cfg, salt=int(day))]] = True
+    return out
+
+
 class ServedCalibration:
-    """Lexical statistics, the held-out training set and the per-version calibrator + gate.
+    """Lexical statistics, the held-out training set and the per-version interpolation.
 
     Files (``data_dir`` of an engine): ``lexical.npz`` (updated after every ingested
     document), ``calibrator-train.npz`` (every held-out token merged so far, with the index
     version it was merged for), and, beside each index build ``index/v000042/``:
     ``lexical.npz`` (the statistics the build saw), ``calibrator/`` and ``gate/`` (trained
-    for that version).  A process that serves version v loads v's calibrator, or the
-    newest older one when v has none yet.
+    for that version) and ``interpolation.json`` (the constant chosen at that build and
+    whether the calibrator beat it).  A process that serves version v loads v's files, or
+    the newest older ones when v has none yet, as one :class:`ServedInterpolation`
+    (``served``); before any build chose one it serves ``default``.
     """
 
     def __init__(
-        self, data_dir: Path, vocab_size: int, *, theta: float = 0.0, shared: bool = False
+        self,
+        data_dir: Path,
+        vocab_size: int,
+        *,
+        theta: float = 0.0,
+        shared: bool = False,
+        default: KnnParams | None = None,
     ):
+        from memlm.interpolation import SERVED_DEFAULT
         from memlm.lexical import LexicalStats
 
         self.data_dir = Path(data_dir)
-        self.theta = theta
         # shared: other writer processes update lexical.npz and the training set too, so
         # both are re-read when their file changed (lexical updates run under the
         # datastore's write lock, training-set writes under the build lock)
@@ -585,15 +698,45 @@ class ServedCalibration:
         self._lexical_stat = _stat(self.lexical_path)
         self.lexical = LexicalStats.load(self.lexical_path, vocab_size)
         self.vocab_size = vocab_size
-        self.served_lexical = self.lexical  # the active version's snapshot once loaded
-        self._loaded: tuple[str, int] | None = None  # (version dir, mtime) of the loaded model
-        self.version: int | None = None
-        self.loaded_version: int | None = None  # the version directory the model came from
-        self.calibrator: Calibrator | None = None
-        self.gate: Calibrator | None = None
+        self.default = default or SERVED_DEFAULT
+        self.served = ServedInterpolation(self.default, theta=theta, lexical=self.lexical)
+        # what ``served`` was loaded from: (version, calibrator stamp, interpolation stamp)
+        self._loaded: tuple[Any, ...] | None = None
         # documents in the training set and its tokens per day, and the file it was read from
         self._index: tuple[set[int], dict[int, int]] | None = None
         self._index_stat: tuple[int, int, int] | None = None
+
+    # The served version's parts, read from ``served`` (one consistent snapshot).
+    @property
+    def calibrator(self) -> Calibrator | None:
+        """The calibrator that sets lambda now (None: the constant is served)."""
+        s = self.served
+        return s.calibrator if s.lambda_source == "calibrator" else None
+
+    @property
+    def gate(self) -> Calibrator | None:
+        return self.served.gate
+
+    @property
+    def theta(self) -> float:
+        return self.served.theta
+
+    @theta.setter
+    def theta(self, value: float) -> None:
+        self.served = replace(self.served, theta=value)
+
+    @property
+    def version(self) -> int | None:
+        return self.served.version
+
+    @property
+    def loaded_version(self) -> int | None:
+        """The version directory the served calibrator came from (None: constant)."""
+        return self.served.calibrator_version if self.calibrator is not None else None
+
+    @property
+    def served_lexical(self) -> LexicalStats:
+        return self.served.lexical or self.lexical
 
     @property
     def train_path(self) -> Path:
@@ -611,8 +754,8 @@ class ServedCalibration:
         if not self.shared or stat == self._lexical_stat:
             return False
         fresh = LexicalStats.load(self.lexical_path, self.vocab_size)
-        if self.served_lexical is self.lexical:
-            self.served_lexical = fresh
+        if self.served.lexical is self.lexical:
+            self.served = replace(self.served, lexical=fresh)
         self.lexical, self._lexical_stat = fresh, stat
         return True
 
@@ -641,42 +784,80 @@ class ServedCalibration:
         self.lexical.save(Path(index_root) / f"v{version:06d}" / "lexical.npz")
 
     def load_for(self, index_root: Path, version: int | None) -> bool:
-        """Use the calibrator (and gate, lexical statistics) of ``version``; True if one."""
+        """Serve the interpolation of ``version``; True if a calibrator sets lambda.
+
+        Builds a new :class:`ServedInterpolation` and replaces ``served`` in one assignment
+        (only when a file changed: ``reload_index`` calls this often).
+        """
+        from memlm.interpolation import INTERPOLATION_FILE, load_choice
         from memlm.lexical import LexicalStats
 
-        self.version = version
         root = Path(index_root)
         found = [
             int(p.parent.parent.name[1:]) for p in root.glob(f"v*/{CALIBRATOR_DIR}/calibrator.json")
         ]
         usable = [v for v in found if version is not None and v <= version]
-        if not usable:
-            self.calibrator = self.gate = None
-            self.served_lexical = self.lexical
-            self._loaded = self.loaded_version = None
-            return False
-        vdir = root / f"v{max(usable):06d}"
-        stamp = (str(vdir), (vdir / CALIBRATOR_DIR / "calibrator.json").stat().st_mtime_ns)
-        if stamp == self._loaded:  # reload_index() calls this often: load only what is new
-            return True
-        self.calibrator = Calibrator.load(vdir / CALIBRATOR_DIR)
-        gate_dir = vdir / "gate"
-        self.gate = Calibrator.load(gate_dir) if (gate_dir / "calibrator.json").exists() else None
-        lex = vdir / "lexical.npz"
-        self.served_lexical = (
-            LexicalStats.load(lex, self.vocab_size) if lex.exists() else self.lexical
+        cal_v = max(usable) if usable else None
+        vdir = None if cal_v is None else root / f"v{cal_v:06d}"
+        choice = load_choice(root, version)
+        cal_stamp = (
+            None
+            if vdir is None
+            else (str(vdir), (vdir / CALIBRATOR_DIR / "calibrator.json").stat().st_mtime_ns)
         )
-        self._loaded, self.loaded_version = stamp, max(usable)
-        return True
+        choice_stamp = (
+            None
+            if choice is None
+            else (choice[0], (root / f"v{choice[0]:06d}" / INTERPOLATION_FILE).stat().st_mtime_ns)
+        )
+        stamp = (version, cal_stamp, choice_stamp, self.default)
+        if stamp == self._loaded:
+            return self.calibrator is not None
+        old = self.served
+        cal = gate = None
+        lexical = self.lexical
+        if vdir is not None:
+            if self._loaded is not None and self._loaded[1] == cal_stamp:
+                cal, gate, lexical = old.calibrator, old.gate, old.lexical or self.lexical
+            else:
+                cal = Calibrator.load(vdir / CALIBRATOR_DIR)
+                gate_dir = vdir / "gate"
+                gate = (
+                    Calibrator.load(gate_dir) if (gate_dir / "calibrator.json").exists() else None
+                )
+                lex = vdir / "lexical.npz"
+                lexical = LexicalStats.load(lex, self.vocab_size) if lex.exists() else self.lexical
+        record: dict[str, Any] = {} if choice is None else choice[1]
+        if record:
+            params = KnnParams(
+                k=int(record["k"]),
+                temperature=float(record["temperature"]),
+                lmbda=float(record["lambda"]),
+            )
+            # the calibrator beat the constant: only the very one it was compared with
+            compared = (record.get("calibrator") or {}).get("calibrator_version")
+            use = bool(record.get("lambda_source") == "calibrator" and compared == cal_v)
+        else:  # a data directory from before the choice was recorded: as it served then
+            params, use = self.default, cal is not None
+        self.served = ServedInterpolation(
+            params=params,
+            version=version,
+            record=record,
+            calibrator=cal,
+            calibrator_version=cal_v,
+            use_calibrator=use,
+            gate=gate,
+            theta=old.theta,
+            lexical=lexical,
+        )
+        self._loaded = stamp
+        return self.calibrator is not None
 
     def gate_mask(
         self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
     ) -> np.ndarray:
         """(m,) bool: search these tokens (all of them without a gate or with theta 0)."""
-        if self.gate is None or self.theta <= 0:
-            return np.ones(len(top_logprob), bool)
-        pre = token_features(top_logprob, entropy, self.served_lexical.features(prev_tokens))
-        return self.gate.predict({n: pre[n] for n in self.gate.cfg.features}) >= self.theta
+        return self.served.gate_mask(top_logprob, entropy, prev_tokens)
 
     def calibrated(
         self,
@@ -686,12 +867,84 @@ class ServedCalibration:
         distances: np.ndarray,
         values: np.ndarray,
     ) -> np.ndarray | None:
-        """(m,) lambda from the served calibrator, None when there is none."""
-        if self.calibrator is None:
+        """(m,) lambda from the served calibrator, None when the constant is served."""
+        return self.served.calibrated(top_logprob, entropy, prev_tokens, distances, values)
+
+    # --- the served interpolation of a build ---------------------------------------------
+
+    def choose_constant(self, grid: TuneGrid, *, min_tokens: int | None = None) -> ConstantChoice:
+        """Tune the constant (k, T, lambda) on every held-out token merged so far."""
+        from memlm.interpolation import MIN_TUNE_TOKENS, choose_constant
+
+        return choose_constant(
+            self.training_rows(),
+            grid,
+            self.default,
+            min_tokens=MIN_TUNE_TOKENS if min_tokens is None else min_tokens,
+        )
+
+    def compare(self, params: KnnParams, index_root: Path, version: int) -> dict[str, Any] | None:
+        """The calibrator served for ``version`` against the constant ``params`` on the
+        calibrator's validation tokens (mean NLL of each); None when there is none.
+
+        k and T of p_kNN are the constant's for both: only lambda differs.
+        """
+        root = Path(index_root)
+        found = sorted(
+            int(p.parent.parent.name[1:]) for p in root.glob(f"v*/{CALIBRATOR_DIR}/calibrator.json")
+        )
+        usable = [v for v in found if v <= version]
+        if not usable:
             return None
-        lex = self.served_lexical.features(prev_tokens)
-        feats = token_features(top_logprob, entropy, lex, distances, values)
-        return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
+        cal_v = usable[-1]
+        cal = Calibrator.load(root / f"v{cal_v:06d}" / CALIBRATOR_DIR)
+        rows = self.training_rows()
+        out: dict[str, Any] = {"calibrator_version": cal_v, "val_tokens": 0}
+        if not rows:
+            return {**out, "val_nll": None, "constant_val_nll": None, "beats_constant": False}
+        val = training_set(_rows(rows, validation_rows(rows, cal.cfg)), params, cal.cfg.features)
+        if not len(val):
+            return {**out, "val_nll": None, "constant_val_nll": None, "beats_constant": False}
+        cal_nll = cal.nll(val)
+        lam = np.full(len(val), params.lmbda)
+        const = -interpolate(
+            val.lm_lp.astype(np.float64),
+            val.knn_lp.astype(np.float64),
+            lam,
+            np.ones(len(val), bool),
+        )
+        const_nll = float(const.mean())
+        return {
+            **out,
+            "val_tokens": len(val),
+            "val_nll": _finite(cal_nll),
+            "constant_val_nll": const_nll,
+            "beats_constant": bool(cal_nll < const_nll),  # strictly: a tie keeps the constant
+        }
+
+    def choose(
+        self, choice: ConstantChoice, grid: TuneGrid, index_root: Path, version: int
+    ) -> dict[str, Any]:
+        """Record what ``version`` serves (``interpolation.json`` beside it) and return it:
+        the constant chosen, and the calibrator instead if it beat it on validation tokens."""
+        from memlm.interpolation import save_choice
+
+        compared = self.compare(choice.params, index_root, version)
+        record = {
+            "index_version": version,
+            **choice.to_json(),
+            "grid": {
+                "ks": list(grid.ks),
+                "temperatures": list(grid.temperatures),
+                "lambdas": list(grid.lambdas),
+            },
+            "lambda_source": (
+                "calibrator" if compared is not None and compared["beats_constant"] else "constant"
+            ),
+            "calibrator": compared,
+        }
+        save_choice(index_root, version, record)
+        return record
 
     # --- the training set ----------------------------------------------------------------
 

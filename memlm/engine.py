@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memlm.calibrator import TOP_N, ServedCalibration
+from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
 from memlm.datastore import Compaction, Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
@@ -35,6 +35,7 @@ from memlm.index import (
     prune,
     remove_orphan_versions,
 )
+from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams, MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.locks import FileLock, LockBusy
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
@@ -81,11 +82,13 @@ class PreparedDocument:
 
 @dataclass(frozen=True)
 class RebuildInfo(BuildInfo):
-    """A new index version and what the calibrator training at that build did."""
+    """A new index version, what the calibrator training at that build did, and the
+    interpolation it serves (``interpolation.json``: constant chosen, calibrator or not)."""
 
     calibrator: dict[str, Any] = field(default_factory=dict)
     # what the compaction before the build removed (rows of forgotten documents)
     compaction: dict[str, int] = field(default_factory=dict)
+    interpolation: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,24 @@ class Engine:
         heldout: HeldOutConfig | None = None,
         readonly: bool = False,
         shared: bool = False,
+        grid: TuneGrid | None = SERVED_GRID,
+        tune_min_tokens: int = MIN_TUNE_TOKENS,
     ):
+        """``knn``: the constant served until a build chooses one (default: the measured
+        ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
+        serve ``knn`` always); ``tune_min_tokens``: held-out tokens with a neighbour needed
+        to tune."""
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
         self.encoder = encoder
-        self.knn = knn or KnnParams()
+        default = knn or SERVED_DEFAULT
+        self.grid = (
+            grid
+            if grid is not None
+            else TuneGrid((default.k,), (default.temperature,), (default.lmbda,))
+        )
+        self.tune_min_tokens = tune_min_tokens
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
         self.words = WordConfig()
@@ -189,9 +204,10 @@ class Engine:
         self._build_lock = threading.RLock()  # building(): this process's holder
         self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
         self._building = 0
-        # lambda per token from the calibrator trained for the served index version
+        # The served interpolation (constant k, T, lambda or the calibrator) of the served
+        # index version; every call reads ``self.calibration.served`` once.
         self.calibration = ServedCalibration(
-            self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared
+            self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared, default=default
         )
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
@@ -214,6 +230,8 @@ class Engine:
         heldout: HeldOutConfig | None = None,
         readonly: bool = False,
         shared: bool = False,
+        grid: TuneGrid | None = SERVED_GRID,
+        tune_min_tokens: int = MIN_TUNE_TOKENS,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
         enc = encoder or Encoder.load(model, threads=threads)
@@ -228,7 +246,19 @@ class Engine:
             heldout=heldout,
             readonly=readonly,
             shared=shared,
+            grid=grid,
+            tune_min_tokens=tune_min_tokens,
         )
+
+    @property
+    def knn(self) -> KnnParams:
+        """The constant served now (k and T of p_kNN; lambda unless the calibrator is)."""
+        return self.calibration.served.params
+
+    @property
+    def served(self) -> ServedInterpolation:
+        """The interpolation served now; a call reads it once and uses it throughout."""
+        return self.calibration.served
 
     def _policy(self, policy: Policy | str | None) -> Policy:
         if policy is None:
@@ -238,11 +268,21 @@ class Engine:
     # --- memory lookups --------------------------------------------------------------------
 
     def _scores(
-        self, out: TokenOutputs, policy: Policy
-    ) -> tuple[TokenScores, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The policy's scores (constant lambda) and the search behind them."""
-        dist, ids, vals = self.index.search_values(out.keys, self.knn.k)
-        return token_scores(self.encoder, out, dist, vals, self.knn), (dist, ids, vals)
+        self, out: TokenOutputs, served: ServedInterpolation
+    ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The augmented model's scores under the served interpolation, the lambda of each
+        token (0 where the gate skips the search) and the search behind them (k columns).
+
+        The same model answers /score and decides what MoNIM stores (DESIGN.md).
+        """
+        k = served.params.k
+        # the calibrator's density features describe the top 10 neighbours
+        width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
+        dist, ids, vals = self.index.search_values(out.keys, width)
+        lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
+        dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
+        scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
+        return scores, lam, (dist, ids, vals)
 
     def _encode(self, text: str, key_ce: bool = False) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
@@ -280,10 +320,11 @@ class Engine:
             self.sync()
             self.reload_index()
         pol = self._policy(policy)
+        served = self.served  # MoNIM asks the model served now (read once)
         token_ids, out = self._encode(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
-            scores, (dist, _, vals) = self._scores(out, pol)
+            scores, _, (dist, _, vals) = self._scores(out, served)
             search = (dist, vals)
         else:
             nan = np.full(len(out), np.nan)
@@ -385,7 +426,8 @@ class Engine:
         if budget <= 0:
             return
         rows = self.heldout.rows(doc_id, len(out), budget)
-        width = max(self.knn.k, TOP_N)  # p_kNN's k neighbours and the 10 density features
+        # every k the build may tune (and the served one), and the 10 density features
+        width = max(self.grid.k_max, self.knn.k, TOP_N)
         if search is not None and search[0].shape[1] >= width:
             dist, vals = search[0][rows, :width], search[1][rows, :width]
         else:
@@ -475,19 +517,21 @@ class Engine:
                 for r, (ids, w) in enumerate(zip(id_lists, windows, strict=True))
             ]
         prev = np.array([w[-1] for w in windows])
+        served = self.served  # one interpolation for the whole call (words included)
         nxt = self._next_token(
             keys,
             hidden,
             prev,
-            k=max(self.knn.k, neighbours),
+            k=max(served.params.k, neighbours),
             lookup=neighbours > 0,
             mems=mems,
             tau=trime.tau if trime else 1.0,
+            served=served,
         )
         word_lists: list[list[WordSuggestion]] = [[] for _ in contexts]
         if words:
             assert decoding is not None
-            word_lists = self._complete_words(nxt, decoding, keys, mems, trime, words)
+            word_lists = self._complete_words(nxt, decoding, keys, mems, trime, words, served)
         out = []
         for r, ids in enumerate(id_lists):
             best = np.argsort(-nxt.prob[r])[:top_n]
@@ -521,17 +565,19 @@ class Engine:
         lookup: bool = False,
         mems: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tau: float = 1.0,
+        served: ServedInterpolation | None = None,
     ) -> _NextToken:
         """Next-token distributions of R rows from their keys (R, d) and head inputs (R, h).
 
         The retrieval gate may skip a row's search (it then keeps the LM answer); ``lookup``
         searches every row anyway, for the neighbours the caller asked for.
         """
+        served = served or self.served  # the caller's, read once for its whole call
         logits = self.encoder.logits(hidden)  # (R, V)
         logp = torch.log_softmax(logits, dim=-1).numpy()
         lm = np.exp(logp)
         top, ent = logp.max(axis=1), -(lm * logp).sum(axis=1)
-        search = self.calibration.gate_mask(top, ent, prev).astype(bool)  # (R,)
+        search = served.gate_mask(top, ent, prev).astype(bool)  # (R,)
         looked_up = search | lookup
         n = len(prev)
         dist = np.full((n, k), np.inf, np.float32)
@@ -541,15 +587,15 @@ class Engine:
             dist[looked_up], eids[looked_up], vals[looked_up] = self.index.search_values(
                 keys[looked_up].float().numpy(), k
             )
-        kk = self.knn.k
-        cal = self.calibration.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
+        kk, temperature = served.params.k, served.params.temperature
+        cal = served.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
         valid = search & has_neighbours(eids[:, :kk])
-        lam = np.where(valid, cal if cal is not None else self.knn.lmbda, 0.0)
+        lam = np.where(valid, cal if cal is not None else served.params.lmbda, 0.0)
         knn = np.zeros_like(lm)
         for r in np.flatnonzero(valid):
             d, v = dist[r, :kk], vals[r, :kk]
             ok = v >= 0
-            w = np.exp(-(d[ok] - d[ok].min()) / self.knn.temperature)
+            w = np.exp(-(d[ok] - d[ok].min()) / temperature)
             np.add.at(knn[r], v[ok], w / w.sum())
         trime = None
         if mems is not None:  # TRIME Eq. 6: the memory joins the LM softmax
@@ -594,6 +640,7 @@ class Engine:
         mems: list[tuple[torch.Tensor, torch.Tensor]] | None,
         memory: MemoryOptions | None,
         n: int,
+        served: ServedInterpolation,
     ) -> list[list[WordSuggestion]]:
         """Whole words after each context: a beam search that extends the attention cache."""
         # Per row: the context it continues, its query key, and (TRIME) the entries its
@@ -619,7 +666,13 @@ class Engine:
                     for c, extra in zip(ctx, new, strict=True)
                 ]
             d = self._next_token(
-                k, h, tokens, k=self.knn.k, mems=rows_mem, tau=memory.tau if memory else 1.0
+                k,
+                h,
+                tokens,
+                k=served.params.k,
+                mems=rows_mem,
+                tau=memory.tau if memory else 1.0,
+                served=served,
             )
             row_ctx, row_keys, row_new = ctx, k, new
             return Distributions(d.prob, d.lm, d.knn)
@@ -664,8 +717,9 @@ class Engine:
         on top of that (App. A, Eq. 9).
         """
         pol = self._policy(policy)
+        served = self.served  # the same interpolation scores the text and decides would_store
         ids, out = self._encode(text, pol.needs_key_ce)
-        scores, (dist, eids, vals) = self._scores(out, pol)
+        scores, lam, (dist, eids, vals) = self._scores(out, served)
         base = out.target_logprob.astype(np.float64)
         trime = None
         if memory is not None and memory.active:
@@ -681,13 +735,10 @@ class Engine:
             )[:, 0]
             base = trime
         # lambda per token from the calibrator, else the constant; tokens the gate skips
-        # (or with no neighbour) keep the base distribution
-        cal = self.calibration.calibrated(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
-        valid = has_neighbours(eids) & self.calibration.gate_mask(
-            out.top_logprob, out.entropy, out.prev_tokens
-        )
-        knn = knn_logprob(dist, eids, vals, out.targets[:, None], self.knn.temperature)[:, 0]
-        aug = interpolate(base, knn, self.knn.lmbda if cal is None else cal, valid)
+        # (lambda 0) or with no neighbour keep the base distribution
+        valid = has_neighbours(eids)
+        knn = knn_logprob(dist, eids, vals, out.targets[:, None], served.params.temperature)[:, 0]
+        aug = interpolate(base, knn, lam, valid)
         if not pol.needs_augmented and pol.needs_key_ce:
             scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
         store = pol.decide(scores)
@@ -712,7 +763,9 @@ class Engine:
     def rebuild(
         self, *, crash_at: str | None = None, params: IndexParams | None = None
     ) -> RebuildInfo:
-        """Build a new index version, train its calibrator on the held-out tokens, serve both.
+        """Build a new index version, choose its interpolation on the held-out tokens (the
+        constant tuned on them, or the calibrator trained on them if it beats that constant
+        on the same validation tokens), serve both.
 
         One build at a time per data directory, across processes (``build.lock``).
         """
@@ -727,7 +780,7 @@ class Engine:
             # between two documents, never half-way through one's update
             with self.exclusive(), self._write_lock:
                 self.calibration.snapshot(self.data_dir / "index", info.version)
-            report = self._calibrate_for(info.version)
+            report, interpolation = self._calibrate_for(info.version)
             # After the calibrator of the new version is saved (or carried forward): older
             # versions that hold a forgotten document's keys go now, whatever their age.
             if self.datastore.num_deleted_documents:  # (a failed training carried none)
@@ -737,12 +790,12 @@ class Engine:
                 keep=3,
                 deleted_documents=self.datastore.num_deleted_documents,
             )
-        self.index.reload()
-        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        self.reload_index()
         return RebuildInfo(
             **{f.name: getattr(info, f.name) for f in fields(info)},
             calibrator=report,
             compaction=dataclasses.asdict(compaction),
+            interpolation=interpolation,
         )
 
     def compact(self, *, crash_at: str | None = None) -> Compaction:
@@ -766,28 +819,39 @@ class Engine:
             )
         return done
 
-    def _calibrate_for(self, version: int) -> dict[str, Any]:
-        """Merge the pending held-out tokens and train the calibrator of ``version``."""
+    def _calibrate_for(self, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Merge the pending held-out tokens, tune the constant on them, train the
+        calibrator of ``version`` with its k and T, record which of the two it serves.
+
+        Returns (calibrator report, interpolation record).  A failure leaves the version
+        without ``interpolation.json``: it serves the newest older choice.
+        """
         cfg = self.heldout.cfg
-        if not cfg.enabled:
-            return {"trained": False, "reason": "calibrator training is off"}
+        index_root = self.data_dir / "index"
+        report: dict[str, Any] = {"trained": False, "reason": "calibrator training is off"}
         try:
-            pending = self.heldout.pending()
-            merged = self.calibration.add_heldout(
-                self.heldout.load(pending.paths), version, max_tokens=cfg.max_tokens
-            )
-            # Deleted only once the merge is durable; a crash in between merges them again,
-            # and add_heldout drops the rows of documents it already holds.
-            self.heldout.remove(pending.paths)
-            report = self.calibration.retrain(
-                self.knn, self.data_dir / "index", version, min_tokens=cfg.min_tokens
-            )
-        except Exception:  # the index is built and good: serve it with the older calibrator
-            log.exception("training the calibrator for index version %d failed", version)
-            return {"trained": False, "reason": "training failed (details in the worker log)"}
-        report = {"merged_tokens": merged, **report}
+            if cfg.enabled:
+                pending = self.heldout.pending()
+                merged = self.calibration.add_heldout(
+                    self.heldout.load(pending.paths), version, max_tokens=cfg.max_tokens
+                )
+                # Deleted only once the merge is durable; a crash in between merges them
+                # again, and add_heldout drops the rows of documents it already holds.
+                self.heldout.remove(pending.paths)
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            if cfg.enabled:
+                report = self.calibration.retrain(
+                    choice.params, index_root, version, min_tokens=cfg.min_tokens
+                )
+                report = {"merged_tokens": merged, **report}
+            record = self.calibration.choose(choice, self.grid, index_root, version)
+        except Exception:  # the index is built and good: serve it with the older choice
+            log.exception("choosing the interpolation of index version %d failed", version)
+            reason = "training failed (details in the worker log)"
+            return {"trained": False, "reason": reason}, {"error": reason}
         log.info("calibrator for index version %d: %s", version, report)
-        return report
+        log.info("interpolation for index version %d: %s", version, record)
+        return report, record
 
     def train_calibrator(self, texts: list[str], day: int) -> dict[str, Any]:
         """Add held-out documents of ``day`` to the calibrator's set, retrain, serve it.
@@ -814,9 +878,15 @@ class Engine:
             "entropy": o.entropy,
             "lexical": self.calibration.lexical.features(o.prev_tokens),
         }
-        report = self.calibration.train(split, self.knn, self.data_dir / "index", version)
-        self.calibration.load_for(self.data_dir / "index", version)
-        return report
+        index_root = self.data_dir / "index"
+        with self.building():  # the training set and the version's files have the build lock
+            # k and T of the constant chosen now; the calibrator's lambda competes with it
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            report = self.calibration.train(split, choice.params, index_root, version)
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            record = self.calibration.choose(choice, self.grid, index_root, version)
+        self.calibration.load_for(index_root, version)
+        return {**report, "interpolation": record}
 
     def sync(self) -> int:
         """Make entries other processes appended searchable (read-only and shared engines)."""
@@ -918,21 +988,24 @@ class Engine:
             "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
+            "interpolation": self.served.to_json(),
             "calibrator": self._calibrator_stats(),
         }
 
     def _calibrator_stats(self) -> dict[str, Any]:
-        """Which calibrator is served (the index version it lives beside) and its training."""
-        cal = self.calibration.calibrator
+        """The calibrator beside the served version (the index version it lives beside), its
+        training, and whether it sets lambda (``active``: it beat the constant)."""
+        served = self.served
+        cal = served.calibrator
         meta = cal.meta if cal is not None else {}
         return {
-            "active": cal is not None,
-            "index_version": self.calibration.loaded_version,
+            "active": served.lambda_source == "calibrator",
+            "index_version": served.calibrator_version,
             "trained_for": meta.get("index_version"),
             "train_tokens": meta.get("train_tokens"),
             "val_tokens": meta.get("val_tokens"),
-            "gate": self.calibration.gate is not None,
-            "gate_theta": self.calibration.theta,
+            "gate": served.gate is not None,
+            "gate_theta": served.theta,
             "training": self.heldout.cfg.enabled,
             "pending_tokens": self.heldout.pending().tokens,
         }

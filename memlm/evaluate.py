@@ -15,7 +15,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,17 @@ from memlm.corpus import Document, by_day
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 from memlm.index import IndexParams, MemoryIndex, build_index
-from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+from memlm.interpolation import (
+    MIN_TUNE_TOKENS,
+    SERVED_DEFAULT,
+    SERVED_GRID,
+    TuneGrid,
+    choose_constant,
+    ppl,
+    token_logprobs,
+    tune,
+)
+from memlm.knnlm import KnnParams, has_neighbours
 from memlm.lexical import LexicalStats
 from memlm.policy import (
     DEFAULT_DELTA,
@@ -102,16 +111,86 @@ def plan_stream(
     return plans
 
 
+class SplitError(ValueError):
+    """A split file names a document twice, one outside the corpus, or unknown keys."""
+
+
+def plan_from_split(
+    docs: Sequence[Document],
+    split: dict[str, list[str]],
+    *,
+    days: int | None = None,
+    start: dt.date | None = None,
+) -> list[DayPlan]:
+    """The plan a split file gives: which document ids go to memory, dev and test.
+
+    ``split``: {"memory": [...], "dev": [...], "test": [...]} of ``Document.id``; within a
+    day each list keeps the file's order (memory: the ingest order).  Days holding none of
+    them are left out; ``days`` and ``start`` slice the rest.  An id named twice or not in
+    the corpus is an error.
+    """
+    roles: dict[str, str] = {}
+    for role in ("memory", "dev", "test"):
+        for doc_id in split.get(role, []):
+            if doc_id in roles:
+                raise SplitError(f"document {doc_id!r} is in both {roles[doc_id]} and {role}")
+            roles[doc_id] = role
+    extra = set(split) - {"memory", "dev", "test"}
+    if extra:
+        raise SplitError(f"unknown split keys {sorted(extra)}; use memory, dev and test")
+    unknown = set(roles) - {d.id for d in docs}
+    if unknown:
+        raise SplitError(
+            f"{len(unknown)} ids of the split are not in the corpus: {sorted(unknown)[:5]}"
+        )
+    order = {
+        doc_id: i
+        for role in ("memory", "dev", "test")
+        for i, doc_id in enumerate(split.get(role, []))
+    }
+    plans: list[DayPlan] = []
+    for day, batch in by_day(docs):
+        if start is not None and day < start:
+            continue
+        parts = {
+            role: sorted((d for d in batch if roles.get(d.id) == role), key=lambda d: order[d.id])
+            for role in ("memory", "dev", "test")
+        }
+        if not any(parts.values()):
+            continue
+        plans.append(DayPlan(day, parts["memory"], parts["dev"], parts["test"]))
+        if days is not None and len(plans) >= days:
+            break
+    return plans
+
+
+def split_of(plans: Sequence[DayPlan]) -> dict[str, list[str]]:
+    """The split file of a plan (what ``--split`` reads back into the same plan)."""
+    return {
+        "memory": [d.id for p in plans for d in p.train],
+        "dev": [d.id for p in plans for d in p.dev],
+        "test": [d.id for p in plans for d in p.test],
+    }
+
+
 # --- cached LM outputs ------------------------------------------------------------------------
 
 
 class TokenCache:
-    """Per-document encoder outputs on disk, keyed by model, window and token ids."""
+    """Per-document encoder outputs on disk, keyed by model, window and token ids.
+
+    Keys are kept in float32, as the encoder returns them: held-out tokens query the
+    memory with the same float32 keys the service queries with (the datastore stores
+    float16 keys either way).  Caches written before that held float16 keys; the
+    ``-k32`` directory suffix keeps the two from ever mixing.
+    """
 
     def __init__(self, encoder: Encoder, window: WindowConfig, root: Path | None = None):
         self.encoder, self.window = encoder, window
         slug = encoder.name.replace("/", "_")
-        self.root = (root or cache_dir() / "encoded") / f"{slug}-c{window.context}-s{window.stride}"
+        self.root = (
+            root or cache_dir() / "encoded"
+        ) / f"{slug}-c{window.context}-s{window.stride}-k32"
         self.root.mkdir(parents=True, exist_ok=True)
         self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
         self.encode_seconds = 0.0
@@ -129,7 +208,9 @@ class TokenCache:
             if p.exists():
                 with np.load(p) as z:
                     arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
-                arrays["keys"] = arrays["keys"].astype(np.float32)
+                if arrays["keys"].dtype != np.float32:  # not written by this version
+                    missing.append(i)
+                    continue
                 pos = arrays["positions"]
                 arrays["prev_tokens"] = np.asarray(doc_ids, np.int64)[pos - 1]
                 out[i] = TokenOutputs(**arrays)
@@ -147,10 +228,10 @@ class TokenCache:
                 tmp = p.with_suffix(".tmp.npz")
                 arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
                 del arrays["prev_tokens"]  # derived from the token ids on load
-                arrays["keys"] = o.keys.astype(np.float16)  # the datastore keeps float16 keys
+                arrays["keys"] = o.keys.astype(np.float32)  # queries in float32, as served
                 np.savez(tmp, **arrays)
                 tmp.replace(p)
-                o.keys = o.keys.astype(np.float16).astype(np.float32)  # same values as a reload
+                o.keys = arrays["keys"]  # same values as a reload
                 out[i] = o
         return [out[i] for i in range(len(texts))]
 
@@ -225,6 +306,7 @@ class DayStats:
     tokens_stored: int
     entries: int
     seconds: float
+    ingest: dict[str, Any] = field(default_factory=dict)  # the interpolation MoNIM asked
 
 
 @dataclass
@@ -274,13 +356,22 @@ def run_policy(
     cache: TokenCache,
     workdir: Path,
     *,
-    ingest_params: KnnParams,
+    ingest_params: KnnParams | None,
     k_max: int,
     index_kind: str = "auto",
     on_day: Callable[[DayStats], None] | None = None,
     trime: TrimeSpec | None = None,
+    served_grid: TuneGrid = SERVED_GRID,
+    served_default: KnnParams = SERVED_DEFAULT,
+    served_min_tokens: int = MIN_TUNE_TOKENS,
 ) -> PolicyRun:
-    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens."""
+    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
+
+    ``ingest_params``: the constant MoNIM scores with; None: the interpolation the service
+    would serve, ``served_default`` until the dev tokens of the days so far (each searched
+    against its evening's memory, as the service's held-out tokens are) choose one from
+    ``served_grid`` after an evening's build, as the service does at its nightly build.
+    """
     name = policy.name if policy is not None else "bare"
     shutil.rmtree(workdir, ignore_errors=True)
     ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
@@ -290,10 +381,21 @@ def run_policy(
     days: list[DayStats] = []
     seen = stored = 0
     doc_no = 0
+    served: dict[str, Any] = {
+        "params": ingest_params or served_default,
+        "source": "fixed" if ingest_params is not None else "default",
+    }
     for plan in plans:
         t0 = time.perf_counter()
         dnum = day_number(plan.day)
         day_seen = day_stored = 0
+        knn: KnnParams = served["params"]
+        asked = {
+            "k": knn.k,
+            "temperature": knn.temperature,
+            "lambda": knn.lmbda,
+            "source": served["source"],
+        }
         outs = cache.get_many([d.text for d in plan.train])
         for o in outs:
             doc_no += 1
@@ -303,8 +405,8 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, _, vals = index.search_values(o.keys, ingest_params.k)
-                scores = token_scores(cache.encoder, o, dist, vals, ingest_params)
+                dist, _, vals = index.search_values(o.keys, knn.k)
+                scores = token_scores(cache.encoder, o, dist, vals, knn)
             else:
                 nan = np.full(n, np.nan)
                 scores = TokenScores(nan, nan, o.key_ce)
@@ -333,62 +435,25 @@ def run_policy(
                 dist, _, vals = index.search_values(o.keys, k_max)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
+        if ingest_params is None and policy is not None and policy.needs_augmented:
+            choice = choose_constant(
+                dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
+            )
+            served = {"params": choice.params, "source": choice.source}
         seen += day_seen
         stored += day_stored
         stats = DayStats(
-            plan.day.isoformat(), day_seen, day_stored, ds.num_live, time.perf_counter() - t0
+            plan.day.isoformat(),
+            day_seen,
+            day_stored,
+            ds.num_live,
+            time.perf_counter() - t0,
+            asked if policy is not None and policy.needs_augmented else {},
         )
         days.append(stats)
         if on_day:
             on_day(stats)
     return PolicyRun(name, days, dev.arrays(k_max), test.arrays(k_max), ds.num_live, seen, stored)
-
-
-# --- tuning on dev, scoring test -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TuneGrid:
-    ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
-    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-    lambdas: tuple[float, ...] = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7)
-
-
-def token_logprobs(split: dict[str, np.ndarray], params: KnnParams) -> np.ndarray:
-    """Augmented log p(gold) of each held-out token under ``params``."""
-    k = min(params.k, split["values"].shape[1])
-    vals = split["values"][:, :k]
-    ids = np.where(vals >= 0, 0, -1)
-    gold = split["gold"][:, None]
-    knn = knn_logprob(split["distances"][:, :k], ids, vals, gold, params.temperature)[:, 0]
-    return interpolate(split["target_lm_logprob"], knn, params.lmbda, has_neighbours(ids))
-
-
-def ppl(logprobs: np.ndarray) -> float:
-    return float(math.exp(-float(np.mean(logprobs)))) if logprobs.size else float("nan")
-
-
-def tune(split: dict[str, np.ndarray], grid: TuneGrid) -> tuple[KnnParams, float]:
-    """The (k, T, lambda) with the lowest perplexity on ``split``."""
-    best: tuple[float, KnnParams] | None = None
-    if split["values"].size == 0 or (split["values"] < 0).all():
-        return KnnParams(lmbda=0.0), ppl(split["target_lm_logprob"])
-    k_max = split["values"].shape[1]
-    for k in grid.ks:
-        if k > k_max:
-            continue
-        for t in grid.temperatures:
-            base = KnnParams(k=k, temperature=t, lmbda=0.0)
-            vals = split["values"][:, :k]
-            ids = np.where(vals >= 0, 0, -1)
-            knn = knn_logprob(split["distances"][:, :k], ids, vals, split["gold"][:, None], t)[:, 0]
-            valid = has_neighbours(ids)
-            for lam in grid.lambdas:
-                p = ppl(interpolate(split["target_lm_logprob"], knn, lam, valid))
-                if best is None or p < best[0]:
-                    best = (p, KnnParams(k=base.k, temperature=t, lmbda=lam))
-    assert best is not None
-    return best[1], best[0]
 
 
 # --- the whole evaluation --------------------------------------------------------------------
@@ -410,7 +475,14 @@ class EvalConfig:
     delta: float = DEFAULT_DELTA
     kl_delta: float = DEFAULT_KL_DELTA
     rand_rate: float | None = None  # None: MoNIM's measured rate (0.5 if MoNIM is not run)
-    ingest: KnnParams = field(default_factory=KnnParams)
+    # MoNIM's ingest interpolation; None: the one the service would serve (run_policy)
+    ingest: KnnParams | None = None
+    # Fixed k, T, lambda (outside comparisons): not tuned, for test and ingest alike
+    k: int | None = None
+    temperature: float | None = None
+    lmbda: float | None = None
+    split: dict[str, list[str]] | None = None  # --split: document ids of memory, dev, test
+    split_file: str | None = None
     k_max: int = 1024  # MoNIM searches 1K neighbours; tuning picks k <= k_max on dev
     index_kind: str = "auto"
     grid: TuneGrid = field(default_factory=TuneGrid)
@@ -435,16 +507,20 @@ def evaluate(
     encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
     if "monim-kl" in cfg.policies:
         encoder.compute_key_ce = True
-    plans = plan_stream(
-        docs,
-        days=cfg.days,
-        start=cfg.start,
-        max_docs_per_day=cfg.max_docs_per_day,
-        max_eval_docs_per_day=cfg.max_eval_docs_per_day,
-        dev_share=cfg.dev_share,
-        test_share=cfg.test_share,
-        seed=cfg.seed,
-    )
+    if cfg.split is not None:
+        plans = plan_from_split(docs, cfg.split, days=cfg.days, start=cfg.start)
+    else:
+        plans = plan_stream(
+            docs,
+            days=cfg.days,
+            start=cfg.start,
+            max_docs_per_day=cfg.max_docs_per_day,
+            max_eval_docs_per_day=cfg.max_eval_docs_per_day,
+            dev_share=cfg.dev_share,
+            test_share=cfg.test_share,
+            seed=cfg.seed,
+        )
+    (out / "split.json").write_text(json.dumps(split_of(plans), indent=1))
     cache = TokenCache(encoder, cfg.window, root=None)
     if encoder.compute_key_ce:
         cache.root = cache.root.with_name(cache.root.name + "-kce")
@@ -487,6 +563,12 @@ def evaluate(
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             trime=cfg.trime,
+            served_grid=_fixed(SERVED_GRID, cfg),
+            served_default=KnnParams(
+                k=cfg.k or SERVED_DEFAULT.k,
+                temperature=cfg.temperature or SERVED_DEFAULT.temperature,
+                lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
+            ),
         )
         runs[name] = run
         echo(
@@ -500,6 +582,11 @@ def evaluate(
     (out / "report.md").write_text(render_markdown(report))
     _plots(report, out)
     return report
+
+
+def _fixed(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
+    """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""
+    return grid.fixed(k=cfg.k, temperature=cfg.temperature, lmbda=cfg.lmbda)
 
 
 def _report(
@@ -518,7 +605,7 @@ def _report(
             params, dev_ppl = KnnParams(lmbda=0.0), ppl(run.dev["target_lm_logprob"])
             test_lp = run.test["target_lm_logprob"]
         else:
-            params, dev_ppl = tune(run.dev, cfg.grid)
+            params, dev_ppl = tune(run.dev, _fixed(cfg.grid, cfg))
             test_lp = token_logprobs(run.test, params)
             if cfg.lambda_mode == "calibrated":
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
@@ -555,6 +642,7 @@ def _report(
                     "memrate_cumulative": cum_stored / cum_seen if cum_seen else 0.0,
                     "test_ppl_so_far": ppl(sofar),
                     "seconds": round(ds_.seconds, 2),
+                    "ingest_knn": ds_.ingest or None,
                 }
             )
         per_day[name] = rows
@@ -574,13 +662,19 @@ def _report(
             },
             "window": asdict(cfg.window),
             "k_max": cfg.k_max,
-            "ingest_knn": asdict(cfg.ingest),
+            "ingest_knn": "served" if cfg.ingest is None else asdict(cfg.ingest),
+            "fixed": {"k": cfg.k, "temperature": cfg.temperature, "lambda": cfg.lmbda},
+            "split_file": cfg.split_file,
+            # the cache keeps the encoder's float32 keys: held-out and ingest queries are
+            # float32, as the service's; the datastore stores float16 keys
+            "query_precision": "float32",
             "delta": cfg.delta,
             "kl_delta": cfg.kl_delta,
             "rand_rate": runs["randmem"].memrate if "randmem" in runs else None,
             "seeds": {"split": cfg.seed, "randmem": cfg.seed},
             "index_kind": cfg.index_kind,
-            "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to test",
+            "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to "
+            "test; values fixed by --k/--temperature/--lambda-value are not tuned",
             "lambda_mode": cfg.lambda_mode,
             "trime": None if cfg.trime is None else asdict(cfg.trime),
             "gate_theta": cfg.gate_theta if cfg.lambda_mode == "calibrated" else None,

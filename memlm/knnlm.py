@@ -126,12 +126,15 @@ def augmented_scores(
     values: np.ndarray,
     value_lm_logprob: np.ndarray,
     params: KnnParams,
+    *,
+    lmbda: np.ndarray | None = None,
 ) -> AugmentedScores:
     """Score the gold token and find the augmented model's best token.
 
     The arg max of (1 - l) p_LM + l p_kNN is either the LM's top-1 or one of the neighbour
     values, so those k + 1 candidates give the exact maximum.  ``value_lm_logprob`` (n, k)
-    holds log p_LM of each neighbour value (Encoder.logprobs_for).
+    holds log p_LM of each neighbour value (Encoder.logprobs_for).  ``lmbda``: (n,) lambda
+    per token instead of ``params.lmbda`` (a calibrator's; 0 keeps the LM).
     """
     valid = has_neighbours(ids)
     cand = np.concatenate([targets[:, None], top_id[:, None], values], axis=1)  # (n, k+2)
@@ -139,7 +142,7 @@ def augmented_scores(
         [target_lm_logprob[:, None], top_lm_logprob[:, None], value_lm_logprob], axis=1
     )
     knn = knn_logprob(distances, ids, values, cand, params.temperature)
-    aug = interpolate(cand_lm, knn, params.lmbda, valid)
+    aug = interpolate(cand_lm, knn, params.lmbda if lmbda is None else lmbda, valid)
     # padding neighbours (id -1) are not real candidates
     pad = np.concatenate([np.zeros((len(ids), 2), bool), ids < 0], axis=1)
     aug_c = np.where(pad, -np.inf, aug)

@@ -148,11 +148,18 @@ class MoNIMKL:
 
 
 def token_scores(
-    encoder: Encoder, out: TokenOutputs, dist: np.ndarray, vals: np.ndarray, params: KnnParams
+    encoder: Encoder,
+    out: TokenOutputs,
+    dist: np.ndarray,
+    vals: np.ndarray,
+    params: KnnParams,
+    *,
+    lmbda: np.ndarray | None = None,
 ) -> TokenScores:
     """The augmented-model scores of one document's tokens against its neighbours.
 
-    dist, vals: (n, k) search results with -1 values as padding (MemoryIndex.search_values).
+    dist, vals: (n, k) search results with -1 values as padding (MemoryIndex.search_values);
+    ``lmbda``: (n,) lambda per token (the served calibrator's), else ``params.lmbda``.
     """
     ids = np.where(vals >= 0, 0, -1)  # only validity matters to the kNN distribution
     value_lm = encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
@@ -166,6 +173,7 @@ def token_scores(
         vals,
         value_lm,
         params,
+        lmbda=lmbda,
     )
     return TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce)
 

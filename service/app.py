@@ -84,8 +84,9 @@ async def sync_index(state: AppState) -> None:
     if version is not None and str(version) != state.served_version:
         log.info("serving index version %s", version)
     state.served_version = None if version is None else str(version)
-    cal = (stats.get("calibrator") or {}).get("index_version")
-    state.calibrator_version = None if cal is None else str(cal)
+    cal = stats.get("calibrator") or {}
+    served_cal = cal.get("index_version") if cal.get("active") else None
+    state.calibrator_version = None if served_cal is None else str(served_cal)
     m = state.metrics
     m.entries.set(float(stats["entries"]))
     m.memrate.set(stored / seen if seen else 0.0)

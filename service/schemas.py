@@ -322,6 +322,31 @@ class CalibratorOut(BaseModel):
     pending_tokens: int = Field(description="held-out tokens waiting for the next rebuild")
 
 
+class InterpolationOut(BaseModel):
+    index_version: str | None = Field(description="the served index version")
+    chosen_for: str | None = Field(
+        description="the build whose choice is served (the served version or older; null: "
+        "no build chose yet, the default is served)"
+    )
+    k: int
+    temperature: float
+    lambda_: float = Field(alias="lambda", description="the constant lambda")
+    source: str = Field(
+        description="tuned (on the held-out tokens), default (too few of them yet) or fixed "
+        "(MEMLM_KNN_K, MEMLM_KNN_TEMPERATURE and MEMLM_KNN_LAMBDA all set)"
+    )
+    lambda_source: str = Field(
+        description="constant, or calibrator when it beat the constant on its validation tokens"
+    )
+    heldout_tokens: int = Field(description="held-out tokens the choice was made on")
+    heldout_ppl: float | None = Field(description="their perplexity with the constant")
+    heldout_bare_ppl: float | None = Field(description="their perplexity with the bare LM")
+    calibrator_val_ppl: float | None = None
+    constant_val_ppl: float | None = None
+
+    model_config = {"populate_by_name": True, "serialize_by_alias": True}
+
+
 class StatsResponse(BaseModel):
     entries: int = Field(description="live entries in the served memory")
     datastore_entries: int = Field(description="entries on disk, forgotten ones included")
@@ -341,6 +366,9 @@ class StatsResponse(BaseModel):
     index: IndexOut
     policy: PolicyOut
     calibrator: CalibratorOut | None = None
+    interpolation: InterpolationOut | None = Field(
+        None, description="what answers /predict and /score and decides what MoNIM stores"
+    )
 
 
 class PolicyIn(Strict):
@@ -407,6 +435,12 @@ class BuildOut(BaseModel):
     )
     calibrator: dict[str, Any] | None = Field(
         None, description="what training the calibrator for this version did"
+    )
+    interpolation: dict[str, Any] | None = Field(
+        None,
+        description="the interpolation this version serves: the constant k, temperature and "
+        "lambda chosen on the held-out tokens, and whether the calibrator beat it "
+        "(lambda_source)",
     )
 
 

@@ -15,7 +15,14 @@ from memlm.db.repositories import (
     StatsRepository,
 )
 from memlm.settings import Settings
-from service.schemas import CalibratorOut, DayStatOut, IndexOut, PolicyOut, StatsResponse
+from service.schemas import (
+    CalibratorOut,
+    DayStatOut,
+    IndexOut,
+    InterpolationOut,
+    PolicyOut,
+    StatsResponse,
+)
 
 
 def _rate(stored: int, seen: int) -> float:
@@ -88,7 +95,19 @@ def summarise(
         ),
         policy=policy_out(db["policy"]),
         calibrator=calibrator_out(engine_stats.get("calibrator")),
+        interpolation=interpolation_out(engine_stats.get("interpolation")),
     )
+
+
+def interpolation_out(served: dict[str, Any] | None) -> InterpolationOut | None:
+    """The engine's served interpolation (versions as strings, like the index's)."""
+    if served is None:
+        return None
+    versions = {
+        k: None if served.get(k) is None else str(served[k])
+        for k in ("index_version", "chosen_for")
+    }
+    return InterpolationOut.model_validate({**served, **versions})
 
 
 def calibrator_out(cal: dict[str, Any] | None) -> CalibratorOut | None:

@@ -622,7 +622,7 @@ def test_every_error_body_is_the_error_model(env: Env) -> None:
     answers = {
         "validation 422": c.post("/predict", json={"context": 5}),
         "json 422": c.post("/predict", content=b"{", headers={"Content-Type": "application/json"}),
-        "path 422": c.get("/documents/abc"),
+        "path 422": c.get("/documents/abc", headers=ADMIN),
         "404 route": c.get("/nowhere"),
         "405": c.put("/predict", json={}),
         "401": c.get("/admin/stats"),

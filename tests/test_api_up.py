@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: list[str] = []  # read as it comes, so the test can wait for a line
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=30) as c:
@@ -73,10 +78,19 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
             first = pred["neighbours"][0]
             assert first["document_id"] == 1 and first["published_at"] == "2016-04-19"
             assert first["snippet"]
+            # both ingest workers (embedded and extra process) must have started before the
+            # SIGTERM: a loaded machine may still be loading the extra one's model
+            while time.monotonic() < deadline + 120:
+                if sum(" started: " in line and "worker " in line for line in list(lines)) >= 2:
+                    break
+                time.sleep(0.2)
     finally:
         # SIGTERM, as a service manager stops it: the scheduler child must stop with it
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=30)
+        proc.stdout.close()
+    out = "".join(lines)
     assert proc.returncode == 0, out[-3000:]
     assert "demo: 1 news articles of 1 days queued (1 new" in out
     assert "scheduler started" in out

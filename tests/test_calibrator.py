@@ -252,8 +252,13 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     vdir = tmp_path / "data" / "index" / f"v{info.version:06d}"
     assert (vdir / "lexical.npz").exists()
     assert eng.predict("The harbour authority in Port").lam == 0.5  # no calibrator yet
-    report = eng.train_calibrator([NEWS], day=19000)
-    n = len(enc.tokenize(NEWS)) - 1
+    # three 64-token validation blocks' worth: the calibrator must beat the constant on them
+    report = eng.train_calibrator([NEWS * 3], day=19000)
+    n = len(enc.tokenize(NEWS * 3)) - 1
+    choice = report["interpolation"]
+    assert choice["calibrator"]["val_tokens"] > 0
+    assert choice["calibrator"]["val_nll"] < choice["calibrator"]["constant_val_nll"]
+    assert choice["lambda_source"] == "calibrator"
     assert report["trained"] is True and report["training_tokens"] == report["new_tokens"] == n
     assert report["calibrator"]["epochs"] == 5 and report["calibrator"]["warm_start"] is False
     assert report["calibrator"]["train_tokens"] + report["calibrator"]["val_tokens"] == n
@@ -292,3 +297,87 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     assert all(s.knn_prob == 0.0 for s in gated.suggestions)
     sc = eng.score(NEWS)
     np.testing.assert_allclose(sc.logprobs, sc.lm_logprobs, rtol=1e-6)
+
+
+# --- the served interpolation: the calibrator only where it beats the constant ------------
+
+
+def test_the_calibrator_is_served_only_when_it_beats_the_constant(tmp_path: Path) -> None:
+    from memlm.calibrator import ServedCalibration, _rows, training_set, validation_rows
+    from memlm.interpolation import SERVED_GRID
+    from memlm.knnlm import interpolate
+
+    days = (10, 11)
+    parts = [synthetic_split(640, d, "mixed", day=d) for d in days]
+    for d, p in zip(days, parts, strict=True):
+        p["doc"] = np.full(len(p["day"]), d, np.int64)
+    split = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    served = ServedCalibration(tmp_path, 50, default=KnnParams(k=16, temperature=1.0, lmbda=0.02))
+    assert served.add_heldout(split, 1) == 1280
+    root = tmp_path / "index"
+    grid = SERVED_GRID.fixed(k=16)  # the synthetic records hold 16 neighbours
+    choice = served.choose_constant(grid, min_tokens=1)
+    assert choice.source == "tuned"
+    report = served.retrain(choice.params, root, 1, cfg=FAST)
+    record = served.choose(choice, grid, root, 1)
+
+    # the comparison, by hand: the calibrator's own validation tokens, both mixtures on them
+    cal = Calibrator.load(root / "v000001" / "calibrator")
+    rows = served.training_rows()
+    val_mask = validation_rows(rows, cal.cfg)
+    assert int(val_mask.sum()) == report["calibrator"]["val_tokens"]  # the split retrain made
+    val = training_set(_rows(rows, val_mask), choice.params, cal.cfg.features)
+    const_nll = -interpolate(
+        val.lm_lp.astype(np.float64),
+        val.knn_lp.astype(np.float64),
+        choice.params.lmbda,
+        np.ones(len(val), bool),
+    ).mean()
+    got = record["calibrator"]
+    assert got["calibrator_version"] == 1 and got["val_tokens"] == len(val) > 0
+    assert got["val_nll"] == pytest.approx(cal.nll(val), rel=1e-6)
+    assert got["constant_val_nll"] == pytest.approx(const_nll, rel=1e-12)
+    # half the memory copies the text, half is noise: lambda per token beats any constant
+    assert got["beats_constant"] is True and record["lambda_source"] == "calibrator"
+    assert (record["k"], record["temperature"], record["lambda"]) == (
+        choice.params.k,
+        choice.params.temperature,
+        choice.params.lmbda,
+    )
+    assert served.load_for(root, 1) is True
+    first = served.served
+    assert first.lambda_source == "calibrator" and first.params == choice.params
+    assert (
+        first.calibrated(
+            split["top_logprob"][:3],
+            split["entropy"][:3],
+            np.zeros(3, np.int64),
+            split["distances"][:3],
+            split["values"][:3],
+        )
+        is not None
+    )
+
+    # version 2 holds a calibrator that says lambda = 0.95 everywhere: the constant wins
+    widths = {n: v.shape[1] for n, v in val.feats.items()}
+    Calibrator(CalibratorConfig(init_lambda=0.95), widths).save(root / "v000002" / "calibrator")
+    record2 = served.choose(choice, grid, root, 2)
+    assert record2["calibrator"]["calibrator_version"] == 2
+    assert record2["calibrator"]["beats_constant"] is False
+    assert record2["lambda_source"] == "constant"
+    assert served.load_for(root, 2) is False
+    second = served.served
+    assert second is not first and second.lambda_source == "constant"
+    assert served.calibrator is None and second.calibrator is not None  # loaded, not used
+    lam = second.lambdas(
+        split["top_logprob"][:4],
+        split["entropy"][:4],
+        np.zeros(4, np.int64),
+        split["distances"][:4],
+        split["values"][:4],
+    )
+    np.testing.assert_array_equal(lam, np.full(4, choice.params.lmbda))
+    # the snapshot a call read before the swap is unchanged: one version's parameters
+    assert first.lambda_source == "calibrator" and first.version == 1
+    assert second.to_json()["lambda_source"] == "constant"
+    assert second.to_json()["chosen_for"] == 2

@@ -1,5 +1,6 @@
 """`memlm eval`'s options reach EvalConfig: --lambda constant|calibrated, --ingest-*."""
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ def test_lambda_defaults_to_constant(captured: list[Any], tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     (cfg,) = captured
     assert cfg.lambda_mode == "constant" and cfg.gate_theta == 0.0
-    assert cfg.ingest == KnnParams(k=64, temperature=5.0, lmbda=0.25)
+    assert cfg.ingest is None  # MoNIM scores with the interpolation the service would serve
+    assert (cfg.k, cfg.temperature, cfg.lmbda, cfg.split) == (None, None, None, None)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +58,45 @@ def test_lambda_defaults_to_constant(captured: list[Any], tmp_path: Path) -> Non
 def test_bad_lambda_options_are_refused(
     captured: list[Any], tmp_path: Path, args: list[str], message: str
 ) -> None:
+    result = CliRunner().invoke(
+        app, ["eval", "--out", str(tmp_path), *args], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 2
+    assert message in result.output
+    assert captured == []
+
+
+def test_fixed_parameters_and_split_file(captured: list[Any], tmp_path: Path) -> None:
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"memory": ["a", "b"], "dev": ["c"], "test": ["d"]}))
+    args = ["eval", "--out", str(tmp_path), "--k", "1024", "--temperature", "1"]
+    args += ["--lambda-value", "0.25", "--split", str(split)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (cfg,) = captured
+    assert (cfg.k, cfg.temperature, cfg.lmbda) == (1024, 1.0, 0.25)
+    assert cfg.split == {"memory": ["a", "b"], "dev": ["c"], "test": ["d"]}
+    assert cfg.split_file == str(split)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ingest-lambda", "0.1"], "give --ingest-k, --ingest-temperature and --ingest-lambda"),
+        (["--k", "2048"], "--k must be in [1, --k-max = 1024]"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--lambda-value", "1.5"], "--lambda-value must be in [0, 1]"),
+        (["--split", "missing.json"], "cannot read missing.json"),
+    ],
+)
+def test_bad_fixed_or_ingest_options_are_refused(
+    captured: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(
         app, ["eval", "--out", str(tmp_path), *args], env={"COLUMNS": "200"}
     )

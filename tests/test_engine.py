@@ -278,3 +278,32 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
     assert (found == ids[:, None]).any(axis=1).all()  # every entry finds itself
     docs, _, _ = engine.datastore.provenance(ids[n0:])
     assert set(docs.tolist()) == {2, 3, 4}
+
+
+def test_monim_decides_with_the_served_interpolation(tmp_path, encoder):
+    """Ingest scoring asks the model served now: once a build serves lambda 0, MoNIM
+    decides exactly as it would with the bare LM (and /score agrees with it)."""
+    from memlm.interpolation import TuneGrid
+
+    eng = Engine.open(
+        tmp_path / "data",
+        encoder=encoder,
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),  # served until a build chooses
+        grid=TuneGrid(ks=(8,), temperatures=(1.0,), lambdas=(0.0,)),  # what builds choose
+    )
+    eng.process_document(1, TEXT, 19000, policy="fullmem")
+    out = encoder.encode_ids(encoder.tokenize(TEXT))
+    bare = out.target_logprob < -1.5  # MoNIM's rule on the bare LM
+    before = eng.prepare_document(2, TEXT, 19001, policy="monim").store
+    assert bare.sum() == len(bare) and before.sum() < len(before)  # lambda 0.5 matters
+    info = eng.rebuild()
+    assert (info.interpolation["lambda"], info.interpolation["source"]) == (0.0, "fixed")
+    assert eng.knn == KnnParams(k=8, temperature=1.0, lmbda=0.0)
+    after = eng.prepare_document(2, TEXT, 19001, policy="monim").store
+    np.testing.assert_array_equal(after, bare)
+    sc = eng.score(TEXT, policy="monim")
+    assert sc.would_store == bare.tolist()
+    np.testing.assert_array_equal(sc.logprobs, sc.lm_logprobs)
+    st = eng.stats()["interpolation"]
+    assert (st["k"], st["temperature"], st["lambda"]) == (8, 1.0, 0.0)
+    assert (st["source"], st["lambda_source"], st["chosen_for"]) == ("fixed", "constant", 1)

@@ -8,16 +8,19 @@ from memlm.corpus import Document
 from memlm.encoder import Encoder, WindowConfig
 from memlm.evaluate import (
     EvalConfig,
+    SplitError,
     TokenCache,
     TuneGrid,
     evaluate,
+    plan_from_split,
     plan_stream,
     run_policy,
+    split_of,
     token_logprobs,
     tune,
 )
 from memlm.knnlm import KnnParams
-from memlm.policy import FullMem, RandMem
+from memlm.policy import FullMem, MoNIM, RandMem
 
 WORDS = [
     "the",
@@ -189,3 +192,74 @@ def test_trime_local_memory_is_tuned_on_dev(tmp_path, enc, monkeypatch):
         "TRIME memory in the LM's softmax: local + 1 earlier windows"
         in (tmp_path / "b" / "report.md").read_text()
     )
+
+
+def test_split_file_round_trip_and_errors():
+    docs = _stream(days=3, per_day=6)
+    plans = plan_stream(docs, dev_share=0.2, test_share=0.2, seed=5)
+    split = split_of(plans)
+    again = plan_from_split(docs, split)
+    assert [
+        (p.day, [d.id for d in p.train], [d.id for d in p.dev], [d.id for d in p.test])
+        for p in again
+    ] == [
+        (p.day, [d.id for d in p.train], [d.id for d in p.dev], [d.id for d in p.test])
+        for p in plans
+    ]
+    # the file's order is the ingest order; days without any listed document are skipped
+    custom = plan_from_split(docs, {"memory": ["d2-1", "d2-0"], "dev": ["d0-3"], "test": []})
+    assert [(p.day.day, [d.id for d in p.train], [d.id for d in p.dev]) for p in custom] == [
+        (1, [], ["d0-3"]),
+        (3, ["d2-1", "d2-0"], []),
+    ]
+    assert len(plan_from_split(docs, split, days=2)) == 2
+    with pytest.raises(SplitError, match="'d0-1' is in both memory and test"):
+        plan_from_split(docs, {"memory": ["d0-1"], "test": ["d0-1"]})
+    with pytest.raises(SplitError, match="1 ids of the split are not in the corpus: \\['zz'\\]"):
+        plan_from_split(docs, {"memory": ["zz"]})
+    with pytest.raises(SplitError, match="unknown split keys \\['train'\\]"):
+        plan_from_split(docs, {"train": ["d0-1"]})
+
+
+def test_monim_ingests_with_the_served_interpolation_of_each_day(tmp_path, enc):
+    """Day 1 scores with the default; each later day with what the dev tokens so far chose
+    (the service's nightly choice); a fixed ingest constant stays as given."""
+    from memlm.interpolation import TuneGrid as Grid
+    from memlm.interpolation import choose_constant
+
+    docs = _stream(days=3, per_day=6)
+    plans = plan_stream(docs, dev_share=0.2, test_share=0.2)
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path / "cache")
+    grid = Grid(ks=(4, 8), temperatures=(1.0, 10.0), lambdas=(0.0, 0.3, 0.9))
+    default = KnnParams(k=8, temperature=5.0, lmbda=0.02)
+    run = run_policy(
+        MoNIM(),
+        plans,
+        cache,
+        tmp_path / "w",
+        ingest_params=None,
+        k_max=8,
+        served_grid=grid,
+        served_default=default,
+        served_min_tokens=1,
+    )
+    asked = [d.ingest for d in run.days]
+    assert asked[0] == {"k": 8, "temperature": 5.0, "lambda": 0.02, "source": "default"}
+    dnum = [int(x) for x in sorted(set(run.dev["day"].tolist()))]
+    for i in (1, 2):  # the choice on the dev tokens of the days before
+        upto = {
+            k: v[run.dev["day"] <= dnum[i - 1]]
+            for k, v in run.dev.items()
+            if len(v) == len(run.dev["day"])
+        }
+        want = choose_constant(upto, grid, default, min_tokens=1)
+        assert want.source == "tuned"
+        assert asked[i] == {
+            "k": want.params.k,
+            "temperature": want.params.temperature,
+            "lambda": want.params.lmbda,
+            "source": want.source,
+        }
+    fixed = run_policy(MoNIM(), plans, cache, tmp_path / "w2", ingest_params=default, k_max=8)
+    assert [d.ingest["source"] for d in fixed.days] == ["fixed"] * 3
+    assert {d.ingest["lambda"] for d in fixed.days} == {0.02}

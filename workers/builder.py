@@ -122,6 +122,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
     compaction = getattr(info, "compaction", None)
     if compaction:  # what the compaction before the build removed
         params["compaction"] = compaction
+    interpolation = getattr(info, "interpolation", None)
+    if interpolation is not None:  # the constant chosen and whether the calibrator beat it
+        params["interpolation"] = interpolation
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,

@@ -68,21 +68,26 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     """
     from memlm.engine import Engine  # heavy: torch, transformers, faiss
     from memlm.heldout import HeldOutConfig
+    from memlm.interpolation import SERVED_DEFAULT, SERVED_GRID
     from memlm.knnlm import KnnParams
 
     # A writer shares the data directory: other worker processes may append in turn.
     extra: dict[str, Any] = {"shared": True} if writer else {"readonly": True}
 
-    defaults = KnnParams()
+    # Served before a build chooses: the measured default, with any value the settings fix.
+    # Each build tunes the values the settings leave open on the held-out tokens.
     knn = KnnParams(
-        k=settings.knn_k or defaults.k,
-        temperature=settings.knn_temperature or defaults.temperature,
-        lmbda=defaults.lmbda if settings.knn_lambda is None else settings.knn_lambda,
+        k=settings.knn_k or SERVED_DEFAULT.k,
+        temperature=settings.knn_temperature or SERVED_DEFAULT.temperature,
+        lmbda=SERVED_DEFAULT.lmbda if settings.knn_lambda is None else settings.knn_lambda,
     )
     engine: EngineLike = Engine.open(
         settings.datastore_dir,
         model=settings.model,
         knn=knn,
+        grid=SERVED_GRID.fixed(
+            k=settings.knn_k, temperature=settings.knn_temperature, lmbda=settings.knn_lambda
+        ),
         policy=settings.policy,
         delta=settings.delta,
         rate=DEFAULT_RATE if settings.randmem_rate == "monim" else settings.randmem_rate,

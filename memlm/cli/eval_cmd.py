@@ -34,11 +34,27 @@ def eval_command(
     context: int = typer.Option(512, help="window length in tokens"),
     stride: int = typer.Option(256, help="window stride in tokens"),
     batch_size: int = typer.Option(4, help="windows per forward pass"),
-    ingest_k: int = typer.Option(
-        64, help="neighbours used while ingesting (MoNIM's augmented model)"
+    ingest_k: int | None = typer.Option(
+        None,
+        help="neighbours MoNIM scores with while ingesting; with --ingest-temperature and "
+        "--ingest-lambda (default: the interpolation the service would serve)",
     ),
-    ingest_temperature: float = typer.Option(5.0, help="kNN temperature while ingesting"),
-    ingest_lambda: float = typer.Option(0.25, help="interpolation weight while ingesting"),
+    ingest_temperature: float | None = typer.Option(
+        None, help="kNN temperature while ingesting (see --ingest-k)"
+    ),
+    ingest_lambda: float | None = typer.Option(
+        None, help="interpolation weight while ingesting (see --ingest-k)"
+    ),
+    k: int | None = typer.Option(
+        None, help="fixed k for test and ingest scoring (not tuned): outside comparisons"
+    ),
+    temperature: float | None = typer.Option(None, help="fixed kNN temperature (not tuned)"),
+    lambda_value: float | None = typer.Option(None, help="fixed lambda (not tuned)"),
+    split: Path | None = typer.Option(
+        None,
+        help="JSON object of document id lists 'memory', 'dev' and 'test' (each run writes "
+        "its own as split.json); replaces the seeded split and the per-day limits",
+    ),
     k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
     index_kind: str = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
     seed: int = typer.Option(0),
@@ -61,14 +77,48 @@ def eval_command(
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
+    import json
     import logging
 
     from memlm.corpus import load_corpus
     from memlm.encoder import WindowConfig
-    from memlm.evaluate import EvalConfig, TrimeSpec, evaluate
+    from memlm.evaluate import EvalConfig, SplitError, TrimeSpec, evaluate
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
+    ingest = (ingest_k, ingest_temperature, ingest_lambda)
+    if any(v is not None for v in ingest) and any(v is None for v in ingest):
+        raise typer.BadParameter(
+            "give --ingest-k, --ingest-temperature and --ingest-lambda together (or none: "
+            "the interpolation the service would serve)",
+            param_hint="--ingest-k",
+        )
+    if k is not None and not 1 <= k <= k_max:
+        raise typer.BadParameter(f"--k must be in [1, --k-max = {k_max}]", param_hint="--k")
+    if temperature is not None and temperature <= 0:
+        raise typer.BadParameter("--temperature must be > 0", param_hint="--temperature")
+    if lambda_value is not None and not 0.0 <= lambda_value <= 1.0:
+        raise typer.BadParameter("--lambda-value must be in [0, 1]", param_hint="--lambda-value")
+    try:
+        ingest_params = (
+            None
+            if ingest_k is None or ingest_temperature is None or ingest_lambda is None
+            else KnnParams(k=ingest_k, temperature=ingest_temperature, lmbda=ingest_lambda)
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ingest-k") from exc
+    split_ids = None
+    if split is not None:
+        try:
+            split_ids = json.loads(split.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise typer.BadParameter(f"cannot read {split}: {exc}", param_hint="--split") from exc
+        if not isinstance(split_ids, dict) or not all(
+            isinstance(v, list) and all(isinstance(i, str) for i in v) for v in split_ids.values()
+        ):
+            raise typer.BadParameter(
+                "expected a JSON object of id lists: memory, dev, test", param_hint="--split"
+            )
     if not 0.0 <= gate_theta < 1.0 or (gate_theta > 0 and lambda_mode != LambdaMode.calibrated):
         raise typer.BadParameter(
             "--gate-theta must be in [0, 1) and needs --lambda calibrated",
@@ -91,7 +141,12 @@ def eval_command(
         delta=delta,
         kl_delta=kl_delta,
         rand_rate=rand_rate,
-        ingest=KnnParams(k=ingest_k, temperature=ingest_temperature, lmbda=ingest_lambda),
+        ingest=ingest_params,
+        k=k,
+        temperature=temperature,
+        lmbda=lambda_value,
+        split=split_ids,
+        split_file=None if split is None else str(split),
         k_max=k_max,
         index_kind=index_kind,
         threads=threads,
@@ -100,7 +155,10 @@ def eval_command(
         lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
     )
-    report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+    try:
+        report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+    except SplitError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--split") from exc
     from memlm.evaluate import render_markdown
 
     typer.echo(render_markdown(report))
