@@ -853,23 +853,6 @@ class ServedCalibration:
         self._loaded = stamp
         return self.calibrator is not None
 
-    def gate_mask(
-        self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
-    ) -> np.ndarray:
-        """(m,) bool: search these tokens (all of them without a gate or with theta 0)."""
-        return self.served.gate_mask(top_logprob, entropy, prev_tokens)
-
-    def calibrated(
-        self,
-        top_logprob: np.ndarray,
-        entropy: np.ndarray,
-        prev_tokens: np.ndarray,
-        distances: np.ndarray,
-        values: np.ndarray,
-    ) -> np.ndarray | None:
-        """(m,) lambda from the served calibrator, None when the constant is served."""
-        return self.served.calibrated(top_logprob, entropy, prev_tokens, distances, values)
-
     # --- the served interpolation of a build ---------------------------------------------
 
     def choose_constant(self, grid: TuneGrid, *, min_tokens: int | None = None) -> ConstantChoice:

@@ -24,42 +24,8 @@ import uvicorn
 
 from service.app import create_app
 from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.texts import random_text
 from workers.engine import open_engine
-
-WORDS = [
-    "harbour",
-    "ferry",
-    "council",
-    "minister",
-    "budget",
-    "election",
-    "storm",
-    "river",
-    "bank",
-    "market",
-    "price",
-    "oil",
-    "gas",
-    "court",
-    "judge",
-    "police",
-    "report",
-    "school",
-    "hospital",
-    "train",
-    "station",
-    "airport",
-    "strike",
-    "union",
-    "vote",
-]
-
-
-def _text(rng: random.Random, chars: int) -> str:
-    words: list[str] = []
-    while sum(len(w) + 1 for w in words) < chars:
-        words.append(rng.choice(WORDS))
-    return " ".join(words).capitalize() + "."
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +66,8 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
     engine = open_engine(settings, encoder=tiny)
     app = create_app(settings, engine=engine, run_worker=True, poll=False)
     rng = random.Random(7)
-    texts = [_text(rng, rng.randint(150, 500)) for _ in range(100)]
-    contexts = [_text(rng, 700) for _ in range(8)]
+    texts = [random_text(rng, rng.randint(150, 500)) for _ in range(100)]
+    contexts = [random_text(rng, 700) for _ in range(8)]
     statuses: list[int] = []
     lock = threading.Lock()
     with _serve(app) as base:

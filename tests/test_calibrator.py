@@ -281,7 +281,7 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     out = enc.encode_ids(ids + [ids[0]])  # the last row predicts after "Port"
     dist, _, vals = eng.index.search_values(out.keys[-1:], knn.k)
     cal = Calibrator.load(vdir / "calibrator")
-    want = eng.calibration.calibrated(
+    want = eng.calibration.served.calibrated(
         out.top_logprob[-1:], out.entropy[-1:], out.prev_tokens[-1:], dist, vals
     )
     assert want is not None and pred.lam == pytest.approx(float(want[0]), rel=1e-4)

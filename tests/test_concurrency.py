@@ -18,43 +18,12 @@ import pytest
 from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine
 from memlm.knnlm import KnnParams
-
-WORDS = [
-    "harbour",
-    "ferry",
-    "council",
-    "minister",
-    "budget",
-    "election",
-    "storm",
-    "river",
-    "bank",
-    "market",
-    "price",
-    "oil",
-    "gas",
-    "court",
-    "judge",
-    "police",
-    "report",
-    "school",
-    "hospital",
-    "train",
-    "station",
-    "airport",
-    "strike",
-    "union",
-    "vote",
-]
+from tests.texts import random_text
 
 
 def _texts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    # ~100-700 characters each, like the reported scenario's contexts
-    return [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 110))).capitalize() + "."
-        for _ in range(n)
-    ]
+    return [random_text(rng, rng.randint(100, 700)) for _ in range(n)]  # like the report's
 
 
 def _run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
