@@ -103,3 +103,23 @@ def test_bad_fixed_or_ingest_options_are_refused(
     assert result.exit_code == 2
     assert message in result.output
     assert captured == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stride", "512"], "the largest legal stride for context 512 is 511"),
+        (["--context", "64", "--stride", "64"], "the largest legal stride for context 64 is 63"),
+    ],
+)
+def test_stride_equal_to_context_is_refused_naming_the_largest_legal_one(
+    captured: list[Any], tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(
+        app, ["eval", "--out", str(tmp_path), *args], env={"COLUMNS": "300"}
+    )
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())  # the error box may wrap lines
+    assert captured == []
+    ok = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), "--stride", "511"])
+    assert ok.exit_code == 0 and captured[0].window.stride == 511
