@@ -294,7 +294,7 @@ def main() -> None:
                 if "forgetting" in call.title:
                     wait(
                         "the forget",
-                        lambda p=path: c.get(p).json()["status"] == "forgotten",
+                        lambda p=path: c.get(p, headers=admin).json()["status"] == "forgotten",
                         600,
                     )
                 headers = admin if call.auth else {}
