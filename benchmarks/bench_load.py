@@ -178,12 +178,15 @@ async def memorise(client: Any, docs: list[Any], timeout: float = 600) -> None:
             {"text": d.text, "published_at": str(d.published_at), "source": d.source} for d in docs
         ]
     }
-    r = await client.post("/ingest", json=body, headers={"Authorization": "Bearer change-me"})
+    token = {"Authorization": "Bearer change-me"}  # the development token: ingest and reads
+    r = await client.post("/ingest", json=body, headers=token)
     r.raise_for_status()
     ids = [d["id"] for d in r.json()["documents"]]
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        states = [(await client.get(f"/documents/{i}")).json()["status"] for i in ids]
+        states = [
+            (await client.get(f"/documents/{i}", headers=token)).json()["status"] for i in ids
+        ]
         if all(s in ("done", "failed") for s in states):
             return
         await asyncio.sleep(1)

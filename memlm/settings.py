@@ -119,6 +119,10 @@ class Settings(BaseSettings):
     max_batch: int = Field(default=8, ge=1)
     # The least Retry-After of a 429; the header is the queue's expected drain time.
     retry_after_seconds: int = Field(default=1, ge=1)
+    # A 429 is sent after this many seconds (at most its Retry-After): a client that
+    # retries at once, ignoring Retry-After, then costs the event loop a few refusals a
+    # second instead of thousands. An asyncio sleep: no thread and no model time. 0: off.
+    overload_delay_seconds: float = Field(default=0.5, ge=0, le=10)
 
     @field_validator("policy")
     @classmethod

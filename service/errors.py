@@ -6,6 +6,7 @@ traceback and answered with a generic message: exception text never reaches a cl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -113,12 +114,31 @@ def _validation_detail(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+_sleep = asyncio.sleep  # tests record the pauses through this name
+
+
+async def overload_pause(request_or_scope: Any, exc: Overloaded) -> None:
+    """Hold a 429 for ``MEMLM_OVERLOAD_DELAY_SECONDS`` (at most its Retry-After).
+
+    Clients that ignore Retry-After and retry at once would otherwise keep the event loop
+    busy answering refusals, starving the requests it accepted.
+    """
+    app = getattr(request_or_scope, "app", None)
+    if app is None and isinstance(request_or_scope, dict):
+        app = request_or_scope.get("app")
+    state = getattr(getattr(app, "state", None), "memlm", None)
+    delay = getattr(getattr(state, "settings", None), "overload_delay_seconds", 0.0)
+    if delay > 0:
+        await _sleep(min(float(delay), float(exc.retry_after)))
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    async def domain(_: Request, exc: Exception) -> JSONResponse:
+    async def domain(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, DomainError)
         headers = None
         if isinstance(exc, Overloaded):
             headers = {"Retry-After": str(exc.retry_after)}
+            await overload_pause(request, exc)
         elif isinstance(exc, Unauthorized):
             headers = {"WWW-Authenticate": "Bearer"}
         return error_response(exc.status_code, exc.error, str(exc), headers)

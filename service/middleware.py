@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import Overloaded
+from service.errors import Overloaded, overload_pause
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class RequestSlots:
         try:
             executor.enter_request()
         except Overloaded as exc:
+            await overload_pause(scope, exc)
             extra = ((b"retry-after", str(exc.retry_after).encode()),)
             await _send_error(send, 429, exc.error, str(exc), extra)
             return

@@ -329,7 +329,23 @@ def _words(n: int) -> str:
     return " ".join(["the"] * n)
 
 
-def test_http_429_body_and_retry_after_from_the_queue(tmp_path: Path, sqlite_url: str) -> None:
+@pytest.fixture
+def pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds each 429 was held (MEMLM_OVERLOAD_DELAY_SECONDS), recorded, not slept."""
+    import service.errors
+
+    seen: list[float] = []
+
+    async def record(seconds: float) -> None:
+        seen.append(seconds)
+
+    monkeypatch.setattr(service.errors, "_sleep", record)
+    return seen
+
+
+def test_http_429_body_and_retry_after_from_the_queue(
+    tmp_path: Path, sqlite_url: str, pauses: list[float]
+) -> None:
     settings = make_settings(tmp_path, sqlite_url, max_batch=1, queue_budget_s=2.0)
     engine = SlowEngine()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
@@ -372,10 +388,15 @@ def test_http_429_body_and_retry_after_from_the_queue(tmp_path: Path, sqlite_url
         for t in threads:
             t.join(10)
         assert results == [200, 200, 200, 200]
+    assert pauses == [0.5, 0.5]  # both 429s held MEMLM_OVERLOAD_DELAY_SECONDS
 
 
-def test_http_429_from_the_request_slots(tmp_path: Path, sqlite_url: str) -> None:
-    settings = make_settings(tmp_path, sqlite_url, queue_budget_s=2.0)
+@pytest.mark.parametrize(("delay", "held"), [(0.5, [0.5]), (5.0, [2.0]), (0.0, [])])
+def test_http_429_from_the_request_slots(
+    tmp_path: Path, sqlite_url: str, pauses: list[float], delay: float, held: list[float]
+) -> None:
+    """A refused request is held the overload delay, never longer than its Retry-After."""
+    settings = make_settings(tmp_path, sqlite_url, queue_budget_s=2.0, overload_delay_seconds=delay)
     engine = SlowEngine()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
     with TestClient(app) as client:
@@ -399,6 +420,7 @@ def test_http_429_from_the_request_slots(tmp_path: Path, sqlite_url: str) -> Non
         engine.gate.set()
         first.join(10)
         assert done == [200] and ex.in_flight() == 0
+    assert pauses == held
 
 
 def test_score_cost_counts_its_tokens(tmp_path: Path, sqlite_url: str) -> None:
