@@ -425,3 +425,21 @@ def test_bundled_smollm2_score_of_a_heldout_article_is_not_worse_than_the_bare_l
         assert served["lambda_source"] == "constant"
         sc = c.post("/score", json={"text": plan.test[0].text}).json()
         assert sc["ppl"] <= sc["lm_ppl"] * 1.005, (sc["ppl"], sc["lm_ppl"])
+
+
+def test_stats_name_the_version_a_build_in_this_process_serves(
+    tmp_path: Path, sqlite_url: str, tiny: Any
+) -> None:
+    """With the embedded worker, a build swaps the index in this process: /admin/stats says
+    so at once, not only after the API's next poll of the build records."""
+    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama")
+    for env in _env(settings, tiny):
+        c = env.client
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(TEXT)]})
+        assert env.drain() == 1
+        assert c.get("/admin/stats", headers=ADMIN).json()["index"]["served_version"] is None
+        build = c.post("/admin/rebuild", headers=ADMIN).json()
+        assert env.drain() == 1  # the build, no poll in between
+        b = c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()
+        assert b["version"] == "1"
+        assert c.get("/admin/stats", headers=ADMIN).json()["index"]["served_version"] == "1"

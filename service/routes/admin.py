@@ -52,7 +52,10 @@ async def stats(state: State, engine: EngineDep) -> StatsResponse:
     # only, never counted in the database and missing from the memory.
     db_part = await run_in_threadpool(db)
     engine_stats = await state.executor.call(engine.stats)
-    return summarise(db_part, engine_stats, state.served_version)
+    # what the engine serves now: with the embedded worker its builds swap the index in
+    # this process before the next poll updates ``state.served_version``
+    version = engine_stats.get("index_version", state.served_version)
+    return summarise(db_part, engine_stats, None if version is None else str(version))
 
 
 @router.post(
