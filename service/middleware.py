@@ -93,6 +93,18 @@ class BodyGuard:
         await self.app(scope, replay, send)
 
 
+def _recording_status(send: Send) -> tuple[dict[str, int], Send]:
+    """``send`` that also records the response's status (500 until one starts)."""
+    status = {"code": 500}
+
+    async def send_wrapper(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status["code"] = message["status"]
+        await send(message)
+
+    return status, send_wrapper
+
+
 class RequestMetrics:
     """Observe the latency of every request under its route template."""
 
@@ -104,12 +116,7 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {"code": 500}
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
+        status, send_wrapper = _recording_status(send)
 
         t0 = time.perf_counter()
         try:
@@ -147,12 +154,7 @@ class RequestSlots:
             extra = ((b"retry-after", str(exc.retry_after).encode()),)
             await _send_error(send, 429, exc.error, str(exc), extra)
             return
-        status = {"code": 500}
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
+        status, send_wrapper = _recording_status(send)
 
         served = False
         try:

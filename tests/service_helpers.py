@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +37,29 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
 
 def doc(text: str, day: str = "2017-02-07", source: str = "test", **kw: Any) -> dict[str, Any]:
     return {"text": text, "published_at": day, "source": source, **kw}
+
+
+@contextlib.contextmanager
+def serve(app: Any, *, start_timeout: float = 60, **config: Any) -> Iterator[str]:
+    """``app`` served by a real uvicorn on 127.0.0.1 from a thread: yields its base URL.
+
+    ``config``: more ``uvicorn.Config`` options (``timeout_keep_alive``...).
+    """
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
+    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    deadline = time.monotonic() + start_timeout
+    while not srv.started:
+        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=start_timeout)
+        sock.close()

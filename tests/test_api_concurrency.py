@@ -8,22 +8,18 @@ no 5xx, and every stored key equals a clean single-threaded re-encode of its doc
 
 from __future__ import annotations
 
-import contextlib
 import random
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from service.app import create_app
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, doc, make_settings, serve
 from tests.texts import random_text
 from workers.engine import open_engine
 
@@ -33,26 +29,6 @@ def tiny() -> Any:
     from memlm.encoder import Encoder
 
     return Encoder.load("tiny-gpt2", threads=1)
-
-
-@contextlib.contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        t.join(timeout=60)
-        sock.close()
 
 
 @pytest.mark.parametrize("db", ["sqlite", "postgres"])
@@ -70,7 +46,7 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
     contexts = [random_text(rng, 700) for _ in range(8)]
     statuses: list[int] = []
     lock = threading.Lock()
-    with _serve(app) as base:
+    with serve(app) as base:
         with httpx.Client(base_url=base, timeout=60) as c:
             ids = []
             for i in range(0, 100, 25):

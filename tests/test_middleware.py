@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from service.app import create_app
 from tests.fakes import FakeEngine
-from tests.service_helpers import make_settings
+from tests.service_helpers import make_settings, serve
 
 
 def _by_name(name: str, delta: float | None, params: dict[str, Any]) -> str:
@@ -29,23 +25,8 @@ def server(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine()
     settings = make_settings(tmp_path, sqlite_url)
     app = create_app(settings, engine=engine, policy_factory=_by_name, run_worker=False, poll=False)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on")
-    srv = uvicorn.Server(config)
-    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        srv.should_exit = True
-        t.join(timeout=20)
-        sock.close()
+    with serve(app, timeout_keep_alive=30, start_timeout=20) as url:
+        yield url, engine
 
 
 def _local_port(r: httpx.Response) -> int:
