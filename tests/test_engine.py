@@ -238,7 +238,7 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
     that the new version is served with."""
     import threading
 
-    import memlm.index as index_mod
+    import memlm.index.build as index_mod
 
     engine.process_document(1, TEXT, 19000, policy="fullmem")
     n0 = len(engine.datastore)

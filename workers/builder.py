@@ -116,6 +116,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
         return key
     seconds = time.perf_counter() - t0
     params = _params(info)
+    record = getattr(info, "record", None)
+    if callable(record):  # full or incremental, why, what it added and removed
+        params["build"] = record()
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator
