@@ -55,13 +55,17 @@ class IndexParams:
     train_size: int = TRAIN_PER_LIST * 4096
     # re-rank 4x k PQ candidates exactly: DATA.md measured recall@1024 0.72 -> 0.83.
     rerank_factor: int = 4
+    # ... and at least this many: PQ codes of 16-48 bytes order a 576-d key's nearest
+    # 64 too coarsely for 4x to hold them (recall@64 0.77 with 4x at 60k real keys);
+    # 1024 fp16 keys are ~1.2 MB read per query.
+    rerank_min: int = 1024
     # seed of the training sample and of k-means, so a rebuild is reproducible.
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("flat", "ivfpq"):
             raise ValueError(f"kind must be 'flat' or 'ivfpq', got {self.kind!r}")
-        for name in ("nlist", "m", "nbits", "nprobe", "rerank_factor"):
+        for name in ("nlist", "m", "nbits", "nprobe", "rerank_factor", "rerank_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kind == "ivfpq" and self.train_size < max(self.nlist, 2**self.nbits):

@@ -241,7 +241,8 @@ class MemoryIndex:
         """k nearest live entries of each query: (squared L2 distances (nq, k), ids (nq, k)).
 
         Rows are ascending; padded with (inf, -1) when fewer than k live entries exist.
-        ``rerank`` (default: on for IVF-PQ) fetches ``rerank_factor * k`` PQ candidates
+        ``rerank`` (default: on for IVF-PQ) fetches ``rerank_factor * k`` (at least
+        ``rerank_min``) PQ candidates
         and orders them by exact distances from the float16 keys; without it the built
         part's distances are PQ approximations.
         """
@@ -331,7 +332,8 @@ class MemoryIndex:
             d, i = st.built.search(q, min(k, st.built.ntotal))
             return self._drop_stale(st, d, i)
         do_rerank = p.rerank_factor > 1 if rerank is None else rerank
-        fetch = min(k * (p.rerank_factor if do_rerank else 1), st.built.ntotal)
+        fetch = k * p.rerank_factor if do_rerank else k
+        fetch = min(max(fetch, p.rerank_min) if do_rerank else fetch, st.built.ntotal)
         # Scan enough lists that ~2x ``fetch`` codes are visited on average.
         per_list = max(1.0, st.built.ntotal / p.nlist)
         nprobe = min(p.nlist, max(p.nprobe, math.ceil(2 * fetch / per_list)))
