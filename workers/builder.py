@@ -27,18 +27,36 @@ def nightly_key(day: dt.date) -> str:
 
 
 def enqueue_rebuild(
-    sessions: sessionmaker[Session], *, key: str | None = None, requested_by: str = "manual"
+    sessions: sessionmaker[Session],
+    *,
+    key: str | None = None,
+    requested_by: str = "manual",
+    retrain: bool = False,
 ) -> tuple[IndexBuild, bool]:
     """Request a build. With a key, the same key twice gives the first request; without,
-    the request joins a build already queued or running, else a new one is queued."""
+    the request joins a build already queued or running, else a new one is queued.
+
+    ``retrain``: the build trains the index from scratch instead of adding to the served
+    version. It joins a queued request (which then retrains), not a running one that
+    does not retrain: a new request is queued after it.
+    """
     with sessions.begin() as s:
         builds = BuildRepository(s)
         if key is None:
             pending = builds.open_request()
+            if pending is not None and retrain and not _wants_retrain(pending):
+                if pending.status == "queued":
+                    pending.params = {**(pending.params or {}), "retrain": True}
+                    return pending, False
+                pending = None  # running without retraining: queue one after it
             if pending is not None:
                 return pending, False
             key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
-        return builds.enqueue(key, requested_by)
+        return builds.enqueue(key, requested_by, retrain=retrain)
+
+
+def _wants_retrain(row: IndexBuild) -> bool:
+    return bool((row.params or {}).get("retrain"))
 
 
 def reconcile_index(
@@ -100,15 +118,22 @@ def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str
             row = builds.claim_queued()
             if row is None:
                 return None
-            build_id, key = row.id, row.request_key
-        return _build(engine, sessions, build_id, key)
+            build_id, key, retrain = row.id, row.request_key, _wants_retrain(row)
+        return _build(engine, sessions, build_id, key, retrain=retrain)
 
 
-def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, key: str) -> str:
-    log.info("building index for request %s", key)
+def _build(
+    engine: EngineLike,
+    sessions: sessionmaker[Session],
+    build_id: int,
+    key: str,
+    *,
+    retrain: bool = False,
+) -> str:
+    log.info("building index for request %s%s", key, " (retrain)" if retrain else "")
     t0 = time.perf_counter()
     try:
-        info = engine.rebuild()
+        info = engine.rebuild(retrain=True) if retrain else engine.rebuild()
     except Exception:
         log.exception("index build %s failed", key)
         with sessions.begin() as s:
@@ -116,6 +141,8 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
         return key
     seconds = time.perf_counter() - t0
     params = _params(info)
+    if retrain:
+        params["retrain"] = True
     record = getattr(info, "record", None)
     if callable(record):  # full or incremental, why, what it added and removed
         params["build"] = record()

@@ -350,12 +350,16 @@ class BuildRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def enqueue(self, key: str, requested_by: str) -> tuple[IndexBuild, bool]:
-        """Request a build under ``key``; the same key twice gives the first request."""
+    def enqueue(
+        self, key: str, requested_by: str, *, retrain: bool = False
+    ) -> tuple[IndexBuild, bool]:
+        """Request a build under ``key``; the same key twice gives the first request.
+        ``retrain``: train the index from scratch (``params["retrain"]`` until it ran)."""
         existing = self.s.scalars(select(IndexBuild).where(IndexBuild.request_key == key)).first()
         if existing is not None:
             return existing, False
-        row = IndexBuild(request_key=key, requested_by=requested_by, status="queued", params={})
+        params = {"retrain": True} if retrain else {}
+        row = IndexBuild(request_key=key, requested_by=requested_by, status="queued", params=params)
         try:
             with self.s.begin_nested():
                 self.s.add(row)

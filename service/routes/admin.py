@@ -66,7 +66,12 @@ async def stats(state: State, engine: EngineDep) -> StatsResponse:
     summary="Request an index build (idempotent)",
 )
 def rebuild(state: State, body: RebuildRequest | None = None) -> BuildOut:
-    row, _ = enqueue_rebuild(state.sessions, key=body.key if body else None, requested_by="api")
+    row, _ = enqueue_rebuild(
+        state.sessions,
+        key=body.key if body else None,
+        requested_by="api",
+        retrain=bool(body and body.retrain),
+    )
     return build_out(row)
 
 
