@@ -122,7 +122,13 @@ class Stretcher:
                     x = self.mu + shrink * (x - self.mu) + np.float32(self.noise) * self.sigma * z
                 doc = r * len(self.articles) + a
                 parts.append(
-                    (x.astype(np.float16), values[:take], np.full(take, doc), np.arange(1, take + 1), np.full(take, day))
+                    (
+                        x.astype(np.float16),
+                        values[:take],
+                        np.full(take, doc),
+                        np.arange(1, take + 1),
+                        np.full(take, day),
+                    )
                 )
                 size += take
                 left -= take
@@ -234,7 +240,10 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int, threads: int) -> di
     p = full.params
     row["params"] = f"nlist {p.nlist}, m {p.m}, nprobe {p.nprobe}, train {p.train_sample}"
     row["load_after_full"] = load_average()
-    print(f"# N={n}: full build {row['full_build_s']:.0f} s ({full.reason}), load {load_average()}", flush=True)
+    print(
+        f"# N={n}: full build {row['full_build_s']:.0f} s ({full.reason}), load {load_average()}",
+        flush=True,
+    )
 
     q = st.queries[: args.queries]
     truth = exact_search(ds, q, 1024)
@@ -275,7 +284,10 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int, threads: int) -> di
     assert inc.mode == "incremental" and inc.added == args.add, inc
     row["incremental add_s"] = inc.add_seconds
     row["load_after_incremental"] = load_average()
-    print(f"# N={n}: +{args.add} incremental {row['incremental_s']:.1f} s, load {load_average()}", flush=True)
+    print(
+        f"# N={n}: +{args.add} incremental {row['incremental_s']:.1f} s, load {load_average()}",
+        flush=True,
+    )
 
     fresh = fresh_latency(ds, data_dir, st)
     row["fresh ms max"] = max(fresh)
@@ -396,12 +408,30 @@ def main() -> None:
         print(json.dumps(row, default=str), flush=True)
     print()
     cols = [
-        "N", "params", "full_build_s", "full_build_cpu_s", "train_s", "incremental_s",
-        "incremental_cpu_s", "RSS B/entry", "anon B/entry",
+        "N",
+        "params",
+        "full_build_s",
+        "full_build_cpu_s",
+        "train_s",
+        "incremental_s",
+        "incremental_cpu_s",
+        "RSS B/entry",
+        "anon B/entry",
         "anon loaded B/entry",
-        "index disk B/entry", "store disk B/entry", "recall@64", "recall@64 rr", "recall@1024",
-        "recall@1024 rr", "search b1 p50 ms", "search b64 ms/call", "fresh ms max",
-        "bare p50 ms", "http p50 ms", "http p99 ms", "engine p50 ms", "http/bare p50",
+        "index disk B/entry",
+        "store disk B/entry",
+        "recall@64",
+        "recall@64 rr",
+        "recall@1024",
+        "recall@1024 rr",
+        "search b1 p50 ms",
+        "search b64 ms/call",
+        "fresh ms max",
+        "bare p50 ms",
+        "http p50 ms",
+        "http p99 ms",
+        "engine p50 ms",
+        "http/bare p50",
     ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

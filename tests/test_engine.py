@@ -111,7 +111,11 @@ def test_nightly_builds_are_incremental_and_forget_needs_no_build(engine):
     assert second.added == len(engine.encoder.tokenize(other)) - 1
     assert second.entries == engine.stats()["entries"]
     forced = engine.rebuild(retrain=True)
-    assert (forced.mode, forced.reason, forced.entries) == ("full", "retrain requested", second.entries)
+    assert (forced.mode, forced.reason, forced.entries) == (
+        "full",
+        "retrain requested",
+        second.entries,
+    )
     assert forced.record()["mode"] == "full"
 
 

@@ -114,7 +114,9 @@ def test_ivfpq_incremental_keeps_the_trained_quantizer(ds: Datastore, tmp_path: 
     np.testing.assert_array_equal(
         a.quantizer.reconstruct_n(0, PQ.nlist), b.quantizer.reconstruct_n(0, PQ.nlist)
     )
-    np.testing.assert_array_equal(faiss.vector_to_array(a.pq.centroids), faiss.vector_to_array(b.pq.centroids))
+    np.testing.assert_array_equal(
+        faiss.vector_to_array(a.pq.centroids), faiss.vector_to_array(b.pq.centroids)
+    )
     assert b.use_precomputed_table == -1  # no nlist*m*256 table in RAM
     live = np.arange(len(ds))[ds.live_mask(np.arange(len(ds)))]
     np.testing.assert_array_equal(indexed_ids(root, info.version), live)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 class _BaseUnusable(Exception):
     """The CURRENT version cannot be built on; the message says why (a full build follows)."""
 
+
 # Points where ``build_index(crash_at=...)`` raises ``SimulatedCrash``, in order, for a
 # full build and for an incremental one.
 BUILD_CRASH_POINTS = (
@@ -92,7 +93,9 @@ def _add(
     """Add the ``live`` ids >= ``start`` (all < the snapshot's length); returns how many."""
     upto = int(live[-1]) + 1 if len(live) else start
     added = 0
-    with tqdm(total=max(0, upto - start), desc="index add", unit="key", disable=not progress) as bar:
+    with tqdm(
+        total=max(0, upto - start), desc="index add", unit="key", disable=not progress
+    ) as bar:
         for first, keys, _ in ds.iter_chunks(start, max(start, upto), chunk):
             # The live set was fixed at the snapshot: deletions during the build are
             # filtered at search time like any later deletion.
@@ -237,7 +240,9 @@ def build_index(
             reason = str(exc)
             log.warning("index build: %s; training from scratch", reason)
     if info is None:
-        info = _full(datastore, root, live, params, reason, stamp, crash_at, use_gpu, progress, chunk)
+        info = _full(
+            datastore, root, live, params, reason, stamp, crash_at, use_gpu, progress, chunk
+        )
     log.info(
         "built index %s (%s: %s): %d entries, +%d -%d, train %.1fs, add %.1fs",
         info.path,
