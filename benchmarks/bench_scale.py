@@ -299,6 +299,27 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int, threads: int) -> di
     return row
 
 
+def record_builds(db_url: str, root: Path) -> None:
+    """Record the versions built here as the worker would: the API serves only those."""
+    from memlm.db.repositories import BuildRepository
+    from memlm.db.session import make_engine, make_sessionmaker
+    from memlm.index import BuildInfo, list_versions
+
+    sessions = make_sessionmaker(make_engine(db_url))
+    with sessions.begin() as s:
+        builds = BuildRepository(s)
+        done = builds.recorded_versions()
+        for v in list_versions(root):
+            if v in done:
+                continue
+            info = BuildInfo.read(root / f"v{v:06d}")
+            row, _ = builds.enqueue(f"bench:{v}", "bench")
+            s.flush()
+            builds.finish(
+                row.id, version=str(v), entries=info.entries, params=info.record(), seconds=0.0
+            )
+
+
 def predict_latency(
     args: argparse.Namespace, data_dir: Path, st: Stretcher, threads: int
 ) -> dict[str, Any]:
@@ -322,6 +343,7 @@ def predict_latency(
         embedded_worker=False,
     )
     upgrade(settings.db_url)
+    record_builds(settings.db_url, data_dir / "memory" / "index")
     engine: Any = open_engine(settings)
     enc = engine.encoder
     contexts = []
@@ -359,7 +381,11 @@ def predict_latency(
                     times[name].append((time.perf_counter() - t0) * 1000)
     server.should_exit = True
     thread.join(10)
-    out: dict[str, Any] = {"predict served entries": engine.stats()["entries"]}
+    st_ = engine.stats()
+    out: dict[str, Any] = {
+        "predict served entries": st_["entries"],
+        "predict index": st_["index"],  # built + fresh parts the predictions searched
+    }
     for name, ms in times.items():
         out[f"{name} p50 ms"] = float(np.percentile(ms, 50))
         out[f"{name} p99 ms"] = float(np.percentile(ms, 99))
@@ -385,6 +411,12 @@ def main() -> None:
     ap.add_argument("--skip-predict", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
     ap.add_argument("--ram-child", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--predict-only",
+        type=Path,
+        default=None,
+        help="only the /predict rows, on a store a --keep run left (its n<N> folder)",
+    )
     args = ap.parse_args()
     if args.ram_child is not None:
         ram_child(args.ram_child, args.ram_child / "queries.npy", args.threads)
@@ -395,6 +427,12 @@ def main() -> None:
     if args.encode_news:
         encode_news(args.keys_npz, args.encode_news, args.threads)
     st = Stretcher(args.keys_npz, args.heldout, args.noise)
+    if args.predict_only is not None:
+        print(f"# /predict on {args.predict_only}, load {load_average()}", flush=True)
+        row = predict_latency(args, args.predict_only, st, args.threads)
+        print(json.dumps(row, default=str), flush=True)
+        print(f"# load after: {load_average()}")
+        return
     print(
         f"# {st.real} real keys from {len(st.articles)} articles, {len(st.queries)} held-out query "
         f"keys; noise a={args.noise}; threads {args.threads}; faiss {faiss.__version__}; "
