@@ -29,14 +29,19 @@ from typing import Any
 
 import torch
 
-from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits, stream_segments
+from memlm.train.data import (
+    EncodedCorpus,
+    EncodedSplits,
+    load_encoded_splits,
+    make_segments,
+    stream_segments,
+)
 from memlm.train.transformer_train import (
     ModelConfig,
     SegmentOutputs,
     TrainConfig,
     build_model,
     encode_segments,
-    make_segments,
     memory_logprobs,
     parameter_counts,
     perplexity,
