@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memlm.calibrator import retrain
+from memlm.calibrator import retrain as build_time
 from memlm.calibrator.features import token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
 from memlm.calibrator.model import CALIBRATOR_DIR, Calibrator, CalibratorConfig
@@ -314,13 +314,13 @@ class ServedCalibration:
 
     def compare(self, params: KnnParams, index_root: Path, version: int) -> dict[str, Any] | None:
         """:func:`memlm.calibrator.retrain.compare` on the tokens merged so far."""
-        return retrain.compare(self.training_rows(), params, index_root, version)
+        return build_time.compare(self.training_rows(), params, index_root, version)
 
     def choose(
         self, choice: ConstantChoice, grid: TuneGrid, index_root: Path, version: int
     ) -> dict[str, Any]:
         """:func:`memlm.calibrator.retrain.choose` on the tokens merged so far."""
-        return retrain.choose(self.training_rows(), choice, grid, index_root, version)
+        return build_time.choose(self.training_rows(), choice, grid, index_root, version)
 
     # --- the training set (:class:`HeldoutSet`) -------------------------------------------
 
@@ -369,7 +369,7 @@ class ServedCalibration:
     ) -> dict[str, Any]:
         """Train the calibrator and the gate for ``version`` on the tokens merged so far
         (:func:`memlm.calibrator.retrain.retrain`)."""
-        return retrain.retrain(
+        return build_time.retrain(
             self.training_rows(),
             params,
             index_root,
@@ -381,4 +381,4 @@ class ServedCalibration:
 
     def _carry_forward(self, root: Path, version: int) -> int | None:
         """Copy the newest earlier calibrator and gate beside ``version``; their version."""
-        return retrain.carry_forward(root, version)
+        return build_time.carry_forward(root, version)
