@@ -228,8 +228,8 @@ def open_served_engine(prefix: str, **settings: Any) -> tuple[Any, Any, float]:
     from pathlib import Path
 
     from memlm.db.migrate import upgrade
+    from memlm.engine import open_engine
     from memlm.settings import Settings
-    from workers.engine import open_engine
 
     fields: dict[str, Any] = {
         "data_dir": Path(tempfile.mkdtemp(prefix=f"{prefix}-")),
@@ -247,10 +247,9 @@ def open_served_engine(prefix: str, **settings: Any) -> tuple[Any, Any, float]:
 def memorise(engine: Any, settings: Any, docs: Iterable[Any]) -> float:
     """Queue ``docs`` (``memlm.corpus.Document``), memorise them with an in-process ingest
     worker (the settings' policy), then build the index; returns the seconds it took."""
-    from memlm.db.repositories import DocumentRepository, NewDocument
+    from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument
     from memlm.db.session import make_engine, make_sessionmaker
-    from workers.builder import enqueue_rebuild
-    from workers.engine import policy_factory
+    from memlm.engine import policy_factory
     from workers.ingest import IngestWorker
 
     db = make_engine(settings.db_url)
@@ -265,7 +264,8 @@ def memorise(engine: Any, settings: Any, docs: Iterable[Any]) -> float:
     with stopwatch() as t:
         while worker.step() is not None:
             pass
-        enqueue_rebuild(sessions, requested_by="bench")
+        with sessions.begin() as s:
+            BuildRepository(s).request(None, "bench")
         worker.step()
     worker.lock.release()
     db.dispose()

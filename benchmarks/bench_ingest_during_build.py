@@ -78,9 +78,9 @@ def main() -> None:
     from memlm.db.models import Document
     from memlm.db.repositories import BuildRepository
     from memlm.db.session import make_engine, make_sessionmaker
+    from memlm.engine import open_engine, policy_factory
     from memlm.settings import Settings
     from workers.builder import enqueue_rebuild, run_queued_build, start_builder
-    from workers.engine import open_engine, policy_factory
     from workers.ingest import IngestWorker
 
     data = Path(tempfile.mkdtemp(prefix="bench-ingest-build-"))
