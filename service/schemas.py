@@ -410,6 +410,11 @@ class RebuildRequest(Strict):
         description="idempotency key: the same key twice builds once; "
         "without one the request joins a queued or running build",
     )
+    retrain: bool = Field(
+        False,
+        description="train the index from scratch; otherwise the build adds the new "
+        "entries to the served version and retrains only when the memory grew 4x",
+    )
 
     @field_validator("key")
     @classmethod

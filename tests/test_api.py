@@ -234,6 +234,23 @@ def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
     )
 
 
+def test_rebuild_retrain_option_reaches_the_engine_and_the_record(env: Env) -> None:
+    """``retrain`` joins a queued request (which then retrains); a plain request after
+    it joins that one; the record says it retrained; a plain build does not."""
+    c = env.client
+    plain = c.post("/admin/rebuild", headers=ADMIN).json()
+    forced = c.post("/admin/rebuild", headers=ADMIN, json={"retrain": True}).json()
+    assert forced["id"] == plain["id"]
+    assert c.post("/admin/rebuild", headers=ADMIN, json={"retrain": "maybe"}).status_code == 422
+    assert env.drain() == 1
+    assert env.engine.retrained is True
+    done = c.get(f"/admin/builds/{plain['id']}", headers=ADMIN).json()
+    assert done["status"] == "done" and done["params"]["retrain"] is True
+    again = c.post("/admin/rebuild", headers=ADMIN).json()
+    assert env.drain() == 1 and env.engine.retrained is False
+    assert "retrain" not in c.get(f"/admin/builds/{again['id']}", headers=ADMIN).json()["params"]
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")

@@ -27,11 +27,19 @@ def nightly_key(day: dt.date) -> str:
 
 
 def enqueue_rebuild(
-    sessions: sessionmaker[Session], *, key: str | None = None, requested_by: str = "manual"
+    sessions: sessionmaker[Session],
+    *,
+    key: str | None = None,
+    requested_by: str = "manual",
+    retrain: bool = False,
 ) -> tuple[IndexBuild, bool]:
     """Request a build in a transaction of its own (``BuildRepository.request``)."""
     with sessions.begin() as s:
-        return BuildRepository(s).request(key, requested_by)
+        return BuildRepository(s).request(key, requested_by, retrain=retrain)
+
+
+def _wants_retrain(row: IndexBuild) -> bool:
+    return bool((row.params or {}).get("retrain"))
 
 
 def _params(info: Any) -> dict[str, Any]:
@@ -63,15 +71,22 @@ def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str
             row = builds.claim_queued()
             if row is None:
                 return None
-            build_id, key = row.id, row.request_key
-        return _build(engine, sessions, build_id, key)
+            build_id, key, retrain = row.id, row.request_key, _wants_retrain(row)
+        return _build(engine, sessions, build_id, key, retrain=retrain)
 
 
-def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, key: str) -> str:
-    log.info("building index for request %s", key)
+def _build(
+    engine: EngineLike,
+    sessions: sessionmaker[Session],
+    build_id: int,
+    key: str,
+    *,
+    retrain: bool = False,
+) -> str:
+    log.info("building index for request %s%s", key, " (retrain)" if retrain else "")
     t0 = time.perf_counter()
     try:
-        info = engine.rebuild()
+        info = engine.rebuild(retrain=True) if retrain else engine.rebuild()
     except Exception:
         log.exception("index build %s failed", key)
         with sessions.begin() as s:
@@ -79,6 +94,11 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
         return key
     seconds = time.perf_counter() - t0
     params = _params(info)
+    if retrain:
+        params["retrain"] = True
+    record = getattr(info, "record", None)
+    if callable(record):  # full or incremental, why, what it added and removed
+        params["build"] = record()
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator

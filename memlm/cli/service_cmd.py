@@ -214,13 +214,19 @@ def scheduler() -> None:
 def rebuild(
     key: str = typer.Option(None, help="idempotency key: the same key builds once"),
     wait: bool = typer.Option(False, "--wait", help="wait until a worker has built it"),
+    retrain: bool = typer.Option(
+        False,
+        "--retrain",
+        help="train the index from scratch (otherwise a build adds to the served version "
+        "and retrains only when the memory grew 4x since the last training)",
+    ),
 ) -> None:
     """Request an index build; a running worker builds it and the API swaps to it."""
     from memlm.db.repositories import BuildRepository
     from workers.builder import enqueue_rebuild
 
     sessions = _migrated_sessions(_settings())
-    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli")
+    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli", retrain=retrain)
     typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
     while wait and row.status in ("queued", "building"):
         time.sleep(1)

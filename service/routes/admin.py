@@ -65,7 +65,9 @@ async def stats(state: State, engine: EngineDep) -> StatsResponse:
     summary="Request an index build (idempotent)",
 )
 def rebuild(session: DbSession, body: RebuildRequest | None = None) -> BuildOut:
-    row, _ = BuildRepository(session).request(body.key if body else None, requested_by="api")
+    row, _ = BuildRepository(session).request(
+        body.key if body else None, requested_by="api", retrain=bool(body and body.retrain)
+    )
     return build_out(row)
 
 
