@@ -22,6 +22,7 @@ from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.provenance import SpanCache
+from service.dashboard import routes as dashboard_routes
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
@@ -214,6 +215,7 @@ def create_app(
     install_error_handlers(app)
     for module in (documents, inference, admin, health):
         app.include_router(module.router)
+    app.include_router(dashboard_routes.router)
     app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
