@@ -115,7 +115,11 @@ def test_history_agrees_with_the_database_and_the_engine(service: Service) -> No
         acc[2] += x.tokens_stored or 0
         if x.status == "forgotten":
             forgotten_per_day[day] = forgotten_per_day.get(day, 0) + (x.tokens_stored or 0)
-    assert [p["day"] for p in d["days"]] == sorted(per_day) == ["2017-02-07", "2017-02-08", "2017-02-09"]
+    assert (
+        [p["day"] for p in d["days"]]
+        == sorted(per_day)
+        == ["2017-02-07", "2017-02-08", "2017-02-09"]
+    )
     seen_c = stored_c = live_c = 0
     for p in d["days"]:
         n, seen, stored = per_day[p["day"]]
@@ -175,7 +179,7 @@ def test_history_agrees_with_the_database_and_the_engine(service: Service) -> No
     # the page's first paint holds the same data
     page = c.get("/dashboard", headers=ADMIN)
     assert page.status_code == 200 and 'id="dashboard-data"' in page.text
-    assert '"tokens_seen": %d' % d["stats"]["tokens_seen"] in page.text
+    assert f'"tokens_seen": {d["stats"]["tokens_seen"]}' in page.text
 
 
 def build_entries(c: TestClient, build: dict[str, Any]) -> int:
@@ -213,7 +217,14 @@ def test_calibrator_summary_names_the_retrain_reason() -> None:
         == "no new held-out tokens; kept the calibrator of v3"
     )
     assert (
-        f({"trained": True, "new_tokens": 10, "training_tokens": 50, "calibrator": {"warm_start": True}})
+        f(
+            {
+                "trained": True,
+                "new_tokens": 10,
+                "training_tokens": 50,
+                "calibrator": {"warm_start": True},
+            }
+        )
         == "trained on 10 new held-out tokens (50 in all, warm start)"
     )
 
@@ -283,7 +294,9 @@ def test_cross_site_posts_are_refused(service: Service) -> None:
         assert r.status_code == 403 and COOKIE not in r.headers.get("set-cookie", "")
     # the page's own origin is fine
     assert _login(c, ADMIN_TOKEN, origin="http://testserver").status_code == 303
-    assert c.post("/dashboard/logout", headers={"origin": "https://evil.example"}).status_code == 403
+    assert (
+        c.post("/dashboard/logout", headers={"origin": "https://evil.example"}).status_code == 403
+    )
 
 
 def test_session_values_expire_and_belong_to_one_token() -> None:
@@ -343,7 +356,11 @@ def _expected_days(rows: dict[str, np.ndarray], params: KnnParams) -> dict[str, 
         vals = rows["values"][m][:, : params.k]
         ids = np.where(vals >= 0, 0, -1)
         knn = knn_logprob(
-            rows["distances"][m][:, : params.k], ids, vals, rows["gold"][m][:, None], params.temperature
+            rows["distances"][m][:, : params.k],
+            ids,
+            vals,
+            rows["gold"][m][:, None],
+            params.temperature,
         )[:, 0]
         lm = rows["target_lm_logprob"][m].astype(np.float64)
         aug = interpolate(lm, knn, params.lmbda, has_neighbours(ids))
@@ -390,9 +407,7 @@ def test_heldout_perplexity_per_day_matches_the_records(
                 h = c.get("/admin/stats/history", headers=ADMIN).json()["heldout"]
                 assert h["recording"] and h["interpolation"]["lambda"] == params.lmbda
                 assert h["tokens"] == sum(n for n, _, _ in want.values())
-                return {
-                    d["day"]: (d["tokens"], d["lm_ppl"], d["augmented_ppl"]) for d in h["days"]
-                }
+                return {d["day"]: (d["tokens"], d["lm_ppl"], d["augmented_ppl"]) for d in h["days"]}
 
             before = got()
             assert before.keys() == want.keys()

@@ -42,9 +42,7 @@ def read(s: Session, now: dt.datetime) -> dict[str, Any]:
     """Everything the history needs from the database (plain values, detached)."""
     docs = Document
     counts = dict(s.execute(select(docs.status, func.count()).group_by(docs.status)).all())
-    waiting = s.scalar(
-        select(func.count()).where(docs.status == "pending", docs.retry_at > now)
-    )
+    waiting = s.scalar(select(func.count()).where(docs.status == "pending", docs.retry_at > now))
     failed_q = (
         select(
             docs.id,
@@ -200,9 +198,7 @@ def queue(counts: dict[str, int], waiting_retry: int) -> Queue:
 
 def failed(total: int, rows: Sequence[tuple[Any, ...]]) -> Failed:
     names = ("id", "source", "external_id", "title", "published_at", "attempts", "error")
-    docs = [
-        FailedDocument(**dict(zip(names, r[:7], strict=True)), failed_at=r[7]) for r in rows
-    ]
+    docs = [FailedDocument(**dict(zip(names, r[:7], strict=True)), failed_at=r[7]) for r in rows]
     return Failed(total=total, documents=docs)
 
 

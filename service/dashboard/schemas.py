@@ -33,7 +33,7 @@ class MemoryPoint(BaseModel):
     at: dt.datetime
     label: str = Field(description="'index v3' (a build) or 'now' (the engine's figures)")
     entries: int
-    bytes_on_disk: int | None = Field(None, description="null: a build recorded before sizes were")
+    bytes_on_disk: int | None = Field(default=None, description="null: a build recorded before sizes were")
     bytes_in_ram: int | None = None
 
 
@@ -109,9 +109,9 @@ class HeldOut(BaseModel):
     tokens: int
     recording: bool = Field(description="the worker records held-out tokens")
     interpolation: dict[str, Any] | None = Field(
-        None, description="k, temperature, lambda and lambda_source used for augmented_ppl"
+        default=None, description="k, temperature, lambda and lambda_source used for augmented_ppl"
     )
-    note: str | None = Field(None, description="why there is nothing to show, when empty")
+    note: str | None = Field(default=None, description="why there is nothing to show, when empty")
     days: list[HeldOutDay]
 
 
