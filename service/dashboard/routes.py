@@ -54,7 +54,7 @@ _PAGE_HEADERS = {
     "Content-Security-Policy": _CSP,
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",
 }
 _STATIC = Path(str(resources.files("service.dashboard") / "static"))
 _OWN_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}

@@ -33,7 +33,9 @@ class MemoryPoint(BaseModel):
     at: dt.datetime
     label: str = Field(description="'index v3' (a build) or 'now' (the engine's figures)")
     entries: int
-    bytes_on_disk: int | None = Field(default=None, description="null: a build recorded before sizes were")
+    bytes_on_disk: int | None = Field(
+        default=None, description="null: a build recorded before sizes were"
+    )
     bytes_in_ram: int | None = None
 
 

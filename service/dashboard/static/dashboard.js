@@ -257,7 +257,8 @@
     var dl = $("calibrator"), s = d.stats;
     dl.replaceChildren();
     if (!s || !s.interpolation) {
-      $("calibrator-empty").textContent = "The model is not loaded yet.";
+      $("calibrator-empty").textContent = s ? "This engine reports no interpolation or calibrator."
+        : "The model is not loaded yet.";
       $("calibrator-empty").hidden = false;
       return;
     }
