@@ -98,7 +98,7 @@ def test_history_agrees_with_the_database_and_the_engine(service: Service) -> No
     assert c.delete(f"/admin/documents/{ids[1]}", headers=ADMIN).status_code == 202
     _ingest(service, [("one more line of the hall", "2017-02-09")])
     service.drain()
-    c.portal.call(sync_index, c.app.state.memlm)  # type: ignore[attr-defined]
+    c.portal.call(sync_index, c.app.state.memlm)  # type: ignore[union-attr,attr-defined]
 
     d = c.get("/admin/stats/history", headers=ADMIN).json()
     with service.sessions() as s:
@@ -350,7 +350,7 @@ def tiny() -> Any:
 
 
 def _expected_days(rows: dict[str, np.ndarray], params: KnnParams) -> dict[str, tuple[float, ...]]:
-    out = {}
+    out: dict[str, tuple[float, ...]] = {}
     for day in sorted(set(rows["day"].tolist())):
         m = rows["day"] == day
         vals = rows["values"][m][:, : params.k]
@@ -421,7 +421,7 @@ def test_heldout_perplexity_per_day_matches_the_records(
             c.post("/admin/rebuild", headers=ADMIN)
             while worker.step() is not None:
                 pass
-            c.portal.call(sync_index, app.state.memlm)  # type: ignore[attr-defined]
+            c.portal.call(sync_index, app.state.memlm)  # type: ignore[union-attr]
             assert rec.pending().paths == ()
             after = got()
             assert after.keys() == want.keys()
