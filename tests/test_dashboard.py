@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -429,3 +430,25 @@ def test_heldout_perplexity_per_day_matches_the_records(
                 assert after[day] == pytest.approx(before[day], rel=1e-6)
         finally:
             worker.lock.release()
+
+
+def test_a_model_that_failed_to_load_still_shows_the_database(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    def broken(settings: Any) -> Any:
+        raise RuntimeError("no weights here")
+
+    settings = make_settings(tmp_path, sqlite_url)
+    app = create_app(settings, engine_factory=broken, run_worker=False, poll=False)
+    with TestClient(app) as c:
+        _ = c.post("/ingest", headers=INGEST, json={"documents": [doc("a b c")]})
+        deadline = dt.datetime.now() + dt.timedelta(seconds=30)
+        while app.state.memlm.load_error is None:  # the first try fails at once
+            assert dt.datetime.now() < deadline
+            time.sleep(0.05)
+
+        d = c.get("/admin/stats/history", headers=ADMIN).json()
+        assert d["model"] == "failed" and d["stats"] is None
+        assert d["queue"]["counts"]["pending"] == 1 and d["memory"] == []
+        assert d["heldout"]["note"] == "the model failed to load (see the server log)"
+        assert c.get("/dashboard", headers=ADMIN).status_code == 200

@@ -92,7 +92,8 @@ async def collect(state: AppState) -> DashboardData:
     model = "ready"
     if engine is None:
         model = "failed" if state.load_error is not None else "loading"
-        heldout = HeldOut(tokens=0, recording=False, note=f"the model is {model}", days=[])
+        why = "failed to load (see the server log)" if model == "failed" else "is still loading"
+        heldout = HeldOut(tokens=0, recording=False, note=f"the model {why}", days=[])
         stats = None
     else:
         engine_stats = await state.executor.call(engine.stats)

@@ -293,7 +293,8 @@
       ? "policy " + s.policy.policy + (s.policy.delta !== null ? " (δ " + s.policy.delta + ")" : "") + " · index " +
         (s.index.served_version === null ? "none" : "v" + s.index.served_version) + " · refreshes every " + d.refresh_seconds + " s"
       : "model " + d.model);
-    if (d.model !== "ready") banner("The model is " + d.model + ": figures from the engine appear once it is ready.", "warn");
+    if (d.model !== "ready") banner((d.model === "failed" ? "The model failed to load (see the server log)"
+      : "The model is still loading") + ": figures from the engine appear once it is ready.", "warn");
     else if (!d.days.length && !d.queue.counts.pending && !d.queue.counts.processing)
       banner("Nothing ingested yet. POST documents to /ingest (ingest token); the charts fill in as the worker memorises them.", "info");
     else banner("");
