@@ -60,8 +60,15 @@ def main() -> None:
     ingest = os.environ.get("MEMLM_INGEST_TOKEN", "change-me")
     api = httpx.Client(base_url=args.url, timeout=60)
     if args.failed_example:
-        doc = {"text": "Hello", "published_at": "2017-02-08", "source": "example.org", "title": "Too short to memorise"}
-        api.post("/ingest", headers={"Authorization": f"Bearer {ingest}"}, json={"documents": [doc]})
+        doc = {
+            "text": "Hello",
+            "published_at": "2017-02-08",
+            "source": "example.org",
+            "title": "Too short to memorise",
+        }
+        api.post(
+            "/ingest", headers={"Authorization": f"Bearer {ingest}"}, json={"documents": [doc]}
+        )
     if args.nightly:
         follow(api, token, args.timeout)
 
@@ -70,7 +77,9 @@ def main() -> None:
     chromium = os.environ.get("MEMLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": args.width, "height": 900}, device_scale_factor=1)
+        page = browser.new_page(
+            viewport={"width": args.width, "height": 900}, device_scale_factor=1
+        )
         page.goto(f"{args.url}/dashboard")
         page.fill("#token", token)
         page.click("button[type=submit]")

@@ -17,12 +17,12 @@ from memlm.db.migrate import check_migrated
 from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
 from memlm.db.session import make_engine, make_sessionmaker
 from memlm.settings import Settings
+from service.dashboard import routes as dashboard_routes
 from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.provenance import SpanCache
-from service.dashboard import routes as dashboard_routes
 from service.routes import admin, documents, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState

@@ -163,7 +163,9 @@ def test_history_agrees_with_the_database_and_the_engine(service: Service) -> No
     tp = d["throughput"]
     processed = [x for x in docs if x.status in ("done", "forgotten")]
     assert tp["documents"] == len(processed) == 5
-    assert sum(p["tokens"] for p in tp["points"]) == sum(x.tokens_seen for x in processed)
+    assert sum(p["tokens"] for p in tp["points"]) == pytest.approx(
+        sum(x.tokens_seen for x in processed)
+    )
     busy = sum((x.processed_at - x.claimed_at).total_seconds() for x in processed)
     assert sum(p["busy_seconds"] for p in tp["points"]) == pytest.approx(busy)
 
@@ -187,26 +189,33 @@ def build_entries(c: TestClient, build: dict[str, Any]) -> int:
     return int(c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()["entries"])
 
 
-def test_throughput_buckets_by_finish_time() -> None:
+def test_throughput_spreads_each_document_over_its_processing_time() -> None:
     t0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
     s = dt.timedelta(seconds=1)
-    rows = [  # (claimed, processed, tokens): 3 documents in [0, 10) s, 1 in [20, 30) s
+    rows = [  # (claimed, processed, tokens)
         (t0, t0 + 2 * s, 100),
         (t0 + 2 * s, t0 + 4 * s, 300),
-        (t0 + 4 * s, t0 + 9 * s, 100),
+        (t0 + 4 * s, t0 + 9 * s, 100),  # 1 s in the first 5-s bucket, 4 s in the second
         (t0 + 20 * s, t0 + 21 * s, 50),
     ]
-    tp = history.throughput(rows)
-    assert tp.bucket_seconds == 1  # 21 s span: 1 s buckets stay under 48
+    assert history.throughput(rows).bucket_seconds == 1  # 21 s: 1-s buckets stay under 48
     tp = history.throughput([*rows, (t0 + 100 * s, t0 + 110 * s, 0)])  # 110 s span
-    assert tp.bucket_seconds == 5
+    assert tp.bucket_seconds == 5 and tp.documents == 5
     # buckets start at multiples of 5 s since the epoch; t0 is one
-    [a, b, c, d] = tp.points
-    assert (a.start, a.documents, a.tokens, a.busy_seconds) == (t0, 2, 400, 4.0)
-    assert a.tokens_per_s == 100.0 and a.throughput == 80.0
-    assert (b.start, b.tokens, b.busy_seconds, b.tokens_per_s) == (t0 + 5 * s, 100, 5.0, 20.0)
-    assert (c.start, c.tokens, c.busy_seconds, c.throughput) == (t0 + 20 * s, 50, 1.0, 10.0)
-    assert (d.start, d.documents, d.tokens_per_s) == (t0 + 110 * s, 1, 0.0)
+    got = [
+        ((p.start - t0).total_seconds(), p.documents, p.tokens, p.busy_seconds, p.tokens_per_s)
+        for p in tp.points
+    ]
+    assert got == [
+        (0, 2, 420, 5, 84),
+        (5, 1, 80, 4, 20),
+        (20, 1, 50, 1, 50),
+        (100, 0, 0, 5, 0),
+        (105, 0, 0, 5, 0),
+        (110, 1, 0, 0, None),  # finished exactly at the bucket's start
+    ]
+    assert [p.throughput for p in tp.points] == [84, 16, 10, 0, 0, 0]
+    assert sum(p.tokens for p in tp.points) == 550
     assert history.throughput([]).points == []
 
 

@@ -159,28 +159,46 @@ def memory(
 
 
 def throughput(timing: Sequence[tuple[Any, ...]]) -> Throughput:
-    """Tokens per second of the done documents, bucketed by when they finished."""
-    rows = [(c, p, int(n or 0)) for c, p, n in timing if c is not None and p is not None]
+    """Tokens per second of ingest in time buckets.
+
+    Each document's tokens are spread evenly over its claim-to-done interval, so a bucket
+    gets the share processed inside it: ``throughput`` (tokens / bucket seconds, all
+    workers together) is what the workers did in that bucket, and ``tokens_per_s``
+    (tokens / busy seconds) is one worker's speed while it works. ``documents``: those
+    that finished in the bucket.
+    """
+    rows = [
+        (c.timestamp(), max(p.timestamp(), c.timestamp()), int(n or 0))
+        for c, p, n in timing
+        if c is not None and p is not None
+    ]
     if not rows:
         return Throughput(bucket_seconds=0, documents=0, points=[])
-    first = min(p for _, p, _ in rows).timestamp()
-    last = max(p for _, p, _ in rows).timestamp()
+    first = min(c for c, _, _ in rows)
+    last = max(p for _, p, _ in rows)
     span = max(last - first, 1e-9)
     width = next((w for w in _WIDTHS if span / w < THROUGHPUT_BUCKETS), None)
     if width is None:
         width = _WIDTHS[-1] * math.ceil(span / _WIDTHS[-1] / THROUGHPUT_BUCKETS)
-    buckets: dict[int, list[float]] = {}
+    buckets: dict[int, list[float]] = {}  # bucket -> [documents, tokens, busy seconds]
     for claimed, processed, n in rows:
-        b = int(processed.timestamp() // width)
-        acc = buckets.setdefault(b, [0, 0, 0.0])
-        acc[0] += 1
-        acc[1] += n
-        acc[2] += max((processed - claimed).total_seconds(), 0.0)
+        end_b = int(processed // width)
+        buckets.setdefault(end_b, [0, 0.0, 0.0])[0] += 1
+        if processed == claimed:  # no measurable time: all of it where it finished
+            buckets[end_b][1] += n
+            continue
+        rate = n / (processed - claimed)
+        for b in range(int(claimed // width), end_b + 1):
+            lo, hi = max(claimed, b * width), min(processed, (b + 1) * width)
+            if hi > lo or b == end_b:
+                acc = buckets.setdefault(b, [0, 0.0, 0.0])
+                acc[1] += rate * (hi - lo)
+                acc[2] += hi - lo
     points = [
         ThroughputPoint(
             start=dt.datetime.fromtimestamp(b * width, dt.UTC),
             documents=int(d),
-            tokens=int(t),
+            tokens=t,
             busy_seconds=busy,
             tokens_per_s=t / busy if busy > 0 else None,
             throughput=t / width,

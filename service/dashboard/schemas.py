@@ -40,10 +40,12 @@ class MemoryPoint(BaseModel):
 
 
 class ThroughputPoint(BaseModel):
-    start: dt.datetime = Field(description="start of the bucket (processing finished in it)")
-    documents: int
-    tokens: int
-    busy_seconds: float = Field(description="claim to done, summed over the documents")
+    """One time bucket; each document's tokens are spread over its claim-to-done time."""
+
+    start: dt.datetime = Field(description="start of the bucket")
+    documents: int = Field(description="documents that finished in the bucket")
+    tokens: float = Field(description="tokens processed in the bucket")
+    busy_seconds: float = Field(description="seconds of processing in the bucket, all workers")
     tokens_per_s: float | None = Field(description="tokens / busy seconds: one worker's speed")
     throughput: float = Field(description="tokens / bucket seconds: all workers together")
 

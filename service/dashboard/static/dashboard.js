@@ -22,6 +22,9 @@
     hovermode: "x unified",
   };
   var CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
+  // Stream days side by side (a stream's days need not be consecutive dates).
+  var DAY_AXIS = { type: "category", tickangle: -30, automargin: true };
+  var STATUSES = ["pending", "processing", "done", "failed", "forgetting", "forgotten"];
 
   function $(id) { return document.getElementById(id); }
   function num(n) { return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"); }
@@ -78,15 +81,16 @@
     setText("kpi-entries", num(s.entries));
     setText("kpi-entries-note", num(s.datastore_entries) + " in the datastore · " +
       num(s.entries_forgotten) + " forgotten");
-    setText("kpi-bytes", bytes(s.bytes_on_disk) + " / " + bytes(s.bytes_in_ram));
-    setText("kpi-bytes-note", "reclaimed by compaction: " + bytes(s.bytes_reclaimed));
+    setText("kpi-bytes", bytes(s.bytes_on_disk));
+    setText("kpi-bytes-note", bytes(s.bytes_in_ram) + " in RAM · " + bytes(s.bytes_reclaimed) + " reclaimed by compaction");
     setText("kpi-index", s.index.served_version === null ? "none" : "v" + s.index.served_version);
     setText("kpi-index-note", s.index.version === null
       ? "no build yet: searches the exact index of new entries"
       : "built " + time(s.index.built_at) + " · " + num(s.index.entries) + " entries");
     var h = d.heldout.days, last = h.length ? h[h.length - 1] : null;
-    setText("kpi-heldout", last ? fixed(last.lm_ppl, 2) + " → " + fixed(last.augmented_ppl, 2) : "–");
-    setText("kpi-heldout-note", last ? "stream day " + last.day + ", " + num(last.tokens) + " tokens"
+    setText("kpi-heldout", last ? fixed(last.lm_ppl, 1) + " → " + fixed(last.augmented_ppl, 1) : "–");
+    setText("kpi-heldout-note", last ? fixed(100 * (last.augmented_ppl / last.lm_ppl - 1), 1) +
+      "% with the memory · stream day " + last.day + ", " + num(last.tokens) + " tokens"
       : "no held-out tokens yet");
   }
 
@@ -108,7 +112,7 @@
       { type: "scatter", mode: "lines", name: "FullMem (100%)", x: x, y: x.map(function () { return 100; }),
         line: { color: COLORS.fullmem, dash: "dash" }, hoverinfo: "skip" },
     ], { yaxis: { title: { text: "tokens memorised" }, ticksuffix: "%", range: [0, 105] },
-      xaxis: { type: "date" }, bargap: 0.25 });
+      xaxis: DAY_AXIS, bargap: 0.25 });
   }
 
   function heldout(d) {
@@ -123,13 +127,24 @@
     setText("heldout-caption", cap);
     if (!h.days.length) return chart("chart-heldout", null, null, "No held-out perplexity yet: " + (h.note || "nothing recorded") + ".");
     var x = h.days.map(function (p) { return p.day; });
+    // per cent change of the perplexity with the memory, rounded as shown (no "-0.0%")
+    var change = h.days.map(function (p) { return Math.round(1000 * (p.augmented_ppl / p.lm_ppl - 1)) / 10; });
+    var all = h.days.map(function (p) { return p.lm_ppl; }).concat(h.days.map(function (p) { return p.augmented_ppl; }));
+    var lo = Math.min.apply(null, all), hi = Math.max.apply(null, all), pad = 0.15 * Math.max(hi - lo, 0.05 * hi);
     var tokens = h.days.map(function (p) { return num(p.tokens) + " tokens, " + num(p.tokens_with_neighbours) + " with a neighbour"; });
     chart("chart-heldout", [
       { type: "scatter", mode: "lines+markers", name: "LM only", x: x, y: h.days.map(function (p) { return p.lm_ppl; }),
         line: { color: COLORS.lm, width: 2 }, text: tokens, hovertemplate: "%{y:.2f} (%{text})<extra>LM only</extra>" },
-      { type: "scatter", mode: "lines+markers", name: "LM + memory", x: x, y: h.days.map(function (p) { return p.augmented_ppl; }),
-        line: { color: COLORS.aug, width: 3 }, hovertemplate: "%{y:.2f}<extra>LM + memory</extra>" },
-    ], { yaxis: { title: { text: "perplexity" } }, xaxis: { type: "date" } });
+      { type: "scatter", mode: "lines+markers+text", name: "LM + memory (change)", x: x,
+        y: h.days.map(function (p) { return p.augmented_ppl; }), line: { color: COLORS.aug, width: 3 },
+        text: change.map(function (c) {
+          return (c > 0 ? "+" : c < 0 ? "−" : "±") + Math.abs(c).toFixed(1) + "%";
+        }),
+        textposition: change.map(function (c) { return c > 0 ? "top center" : "bottom center"; }),
+        textfont: { color: COLORS.aug },
+        hovertemplate: "%{y:.2f} (%{text})<extra>LM + memory</extra>" },
+    ], { yaxis: { title: { text: "perplexity" }, range: [lo - pad, hi + pad] }, xaxis: DAY_AXIS,
+      margin: { l: 60, r: 60, t: 24, b: 36 }, legend: { orientation: "h", x: 0, y: 1.2 } });
   }
 
   function memory(d) {
@@ -164,19 +179,19 @@
       { type: "scatter", mode: "lines+markers", name: "live entries", x: days.map(function (p) { return p.day; }),
         y: days.map(function (p) { return p.cumulative_entries; }), fill: "tozeroy",
         line: { color: COLORS.entries }, hovertemplate: "%{y:,} entries<extra></extra>" },
-    ], { showlegend: false, yaxis: { rangemode: "tozero" }, xaxis: { type: "date" } });
+    ], { showlegend: false, yaxis: { rangemode: "tozero" }, xaxis: DAY_AXIS });
   }
 
   function throughput(d) {
     var t = d.throughput;
     if (!t.points.length) return chart("chart-throughput", null, null,
       "No document processed yet: the worker's speed appears with its first document.");
-    setText("throughput-caption", "Tokens per second of ingest over the newest " + num(t.documents) +
-      " documents, in buckets of " + num(t.bucket_seconds) + " s by when they finished: one worker's speed " +
-      "while it processes (tokens / claim-to-done seconds), and all workers' output per second of the bucket.");
+    setText("throughput-caption", "Tokens per second of ingest, the newest " + num(t.documents) +
+      " documents in buckets of " + num(t.bucket_seconds) + " s (each document's tokens spread over its " +
+      "claim-to-done time): one worker's speed while it works, and all workers' output per second.");
     var x = t.points.map(function (p) { return p.start; });
     chart("chart-throughput", [
-      { type: "bar", name: "tokens per second of the bucket", x: x, y: t.points.map(function (p) { return p.throughput; }),
+      { type: "bar", name: "output (tokens / s of the bucket)", x: x, y: t.points.map(function (p) { return p.throughput; }),
         marker: { color: COLORS.throughput }, hovertemplate: "%{y:,.1f} tokens/s<extra>output</extra>" },
       { type: "scatter", mode: "lines+markers", name: "tokens/s while processing", x: x,
         y: t.points.map(function (p) { return p.tokens_per_s; }), line: { color: COLORS.speed, width: 3 },
@@ -185,7 +200,9 @@
   }
 
   function queue(d) {
-    var c = d.queue.counts, names = Object.keys(c), total = 0;
+    var c = d.queue.counts, total = 0;
+    var names = STATUSES.filter(function (n) { return n in c; })
+      .concat(Object.keys(c).filter(function (n) { return STATUSES.indexOf(n) < 0; }));
     names.forEach(function (n) { total += c[n]; });
     setText("queue-caption", "Documents by status now" +
       (d.queue.waiting_retry ? " (" + num(d.queue.waiting_retry) + " pending ones wait to be retried)." : "."));
