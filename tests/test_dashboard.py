@@ -53,8 +53,12 @@ class Service:
 
 
 @pytest.fixture
-def service(tmp_path: Path, sqlite_url: str) -> Iterator[Service]:
-    settings = make_settings(tmp_path, sqlite_url)
+def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Service]:
+    """The API over the fake engine with a worker; SQLite unless the test is parametrized
+    with ``DATABASES`` (indirect)."""
+    db = getattr(request, "param", "sqlite")
+    url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
+    settings = make_settings(tmp_path, url)
     engine = FakeEngine(fail_on="zzz")
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
     with TestClient(app) as client:
@@ -73,6 +77,12 @@ def _ingest(svc: Service, items: list[tuple[str, str]]) -> list[int]:
     return [d["id"] for d in r.json()["documents"]]
 
 
+DATABASES = pytest.mark.parametrize(
+    "service", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+
+
+@DATABASES
 def test_empty_service_answers_empty_series(service: Service) -> None:
     r = service.client.get("/admin/stats/history", headers=ADMIN)
     assert r.status_code == 200
@@ -88,6 +98,7 @@ def test_empty_service_answers_empty_series(service: Service) -> None:
     assert d["heldout"]["days"] == [] and d["heldout"]["note"]
 
 
+@DATABASES
 def test_history_agrees_with_the_database_and_the_engine(service: Service) -> None:
     c = service.client
     ids = _ingest(service, STREAM)

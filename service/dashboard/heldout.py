@@ -104,15 +104,18 @@ class HeldOutCurves:
             self._sums[key] = (day_sums(rows, served), docs)
         return self._sums[key]
 
-    def compute(self, engine: Any) -> HeldOut:
+    def compute(self, engine: Any, recording: bool) -> HeldOut:
+        """``recording``: the service records held-out tokens (the setting; an API process
+        beside a separate worker opens its engine read-only, which records nothing itself
+        but reads the worker's records from the shared data directory)."""
         calibration = getattr(engine, "calibration", None)
         recorder = getattr(engine, "heldout", None)
         served = getattr(engine, "served", None)
         if calibration is None or recorder is None or served is None:
             return HeldOut(
                 tokens=0,
-                recording=False,
-                note="this engine records no held-out tokens",
+                recording=recording,
+                note="this engine keeps no held-out tokens",
                 days=[],
             )
         with self._lock:
@@ -152,7 +155,6 @@ class HeldOutCurves:
             "lambda_source": served.lambda_source,
             "index_version": served.version,
         }
-        recording = bool(recorder.cfg.enabled)
         days = [
             HeldOutDay(
                 day=EPOCH + dt.timedelta(days=d),

@@ -99,7 +99,8 @@ async def collect(state: AppState) -> DashboardData:
         engine_stats = await state.executor.call(engine.stats)
         version = engine_stats.get("index_version", state.served_version)
         stats = summarise(stats_db, engine_stats, None if version is None else str(version))
-        heldout = await run_in_threadpool(_curves(state).compute, engine)
+        recording = state.settings.calibrator_training
+        heldout = await run_in_threadpool(_curves(state).compute, engine, recording)
     return DashboardData(
         generated_at=now,
         refresh_seconds=state.settings.dashboard_refresh_seconds,
