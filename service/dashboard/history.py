@@ -167,19 +167,18 @@ def throughput(timing: Sequence[tuple[Any, ...]]) -> Throughput:
     (tokens / busy seconds) is one worker's speed while it works. ``documents``: those
     that finished in the bucket.
     """
-    rows = [
-        (c.timestamp(), max(p.timestamp(), c.timestamp()), int(n or 0))
-        for c, p, n in timing
-        if c is not None and p is not None
-    ]
-    if not rows:
+    pairs = [(c, max(p, c), int(n or 0)) for c, p, n in timing if c is not None and p is not None]
+    if not pairs:
         return Throughput(bucket_seconds=0, documents=0, points=[])
-    first = min(c for c, _, _ in rows)
-    last = max(p for _, p, _ in rows)
-    span = max(last - first, 1e-9)
+    first = min(c for c, _, _ in pairs)
+    span = max((max(p for _, p, _ in pairs) - first).total_seconds(), 1e-9)
     width = next((w for w in _WIDTHS if span / w < THROUGHPUT_BUCKETS), None)
     if width is None:
         width = _WIDTHS[-1] * math.ceil(span / _WIDTHS[-1] / THROUGHPUT_BUCKETS)
+    # seconds from a bucket boundary (a multiple of the width since the epoch) just before
+    # the first claim: small numbers, exact to the microsecond the database keeps
+    origin = dt.datetime.fromtimestamp(first.timestamp() // width * width, dt.UTC)
+    rows = [((c - origin).total_seconds(), (p - origin).total_seconds(), n) for c, p, n in pairs]
     buckets: dict[int, list[float]] = {}  # bucket -> [documents, tokens, busy seconds]
     for claimed, processed, n in rows:
         end_b = int(processed // width)
@@ -196,7 +195,7 @@ def throughput(timing: Sequence[tuple[Any, ...]]) -> Throughput:
                 acc[2] += hi - lo
     points = [
         ThroughputPoint(
-            start=dt.datetime.fromtimestamp(b * width, dt.UTC),
+            start=origin + dt.timedelta(seconds=b * width),
             documents=int(d),
             tokens=t,
             busy_seconds=busy,
