@@ -394,7 +394,7 @@ def test_heldout_perplexity_per_day_matches_the_records(
     tmp_path: Path, sqlite_url: str, tiny: Any
 ) -> None:
     from tests.test_calibrator_service import TEXTS
-    from workers.engine import open_engine, policy_factory
+    from memlm.engine import open_engine, policy_factory
 
     params = KnnParams(k=8, temperature=1.0, lmbda=0.5)
     settings = make_settings(

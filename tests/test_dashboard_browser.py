@@ -203,7 +203,7 @@ def test_charts_show_the_stream_and_follow_it(
 ) -> None:
     """A small stream through the real engine (tiny random Llama): every chart's numbers
     are the database's; a document ingested later shows up without a reload."""
-    from workers.engine import open_engine, policy_factory
+    from memlm.engine import open_engine, policy_factory
 
     settings = make_settings(
         tmp_path,
