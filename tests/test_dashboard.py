@@ -393,8 +393,8 @@ def _expected_days(rows: dict[str, np.ndarray], params: KnnParams) -> dict[str, 
 def test_heldout_perplexity_per_day_matches_the_records(
     tmp_path: Path, sqlite_url: str, tiny: Any
 ) -> None:
-    from tests.test_calibrator_service import TEXTS
     from memlm.engine import open_engine, policy_factory
+    from tests.test_calibrator_service import TEXTS
 
     params = KnnParams(k=8, temperature=1.0, lmbda=0.5)
     settings = make_settings(
