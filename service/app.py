@@ -21,6 +21,7 @@ from memlm.engine import EngineLike, reconcile_index
 from memlm.engine import open_engine as _open_engine
 from memlm.engine import policy_factory as default_policy_factory
 from memlm.settings import Settings
+from service.dashboard import routes as dashboard_routes
 from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
@@ -214,6 +215,7 @@ def create_app(
     install_error_handlers(app)
     for module in (documents, inference, admin, health):
         app.include_router(module.router)
+    app.include_router(dashboard_routes.router)
     app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)

@@ -447,6 +447,11 @@ class BuildOut(BaseModel):
         "lambda chosen on the held-out tokens, and whether the calibrator beat it "
         "(lambda_source)",
     )
+    sizes: dict[str, int] | None = Field(
+        None,
+        description="bytes_on_disk and bytes_in_ram of the memory right after the build "
+        "(the dashboard's memory size over time)",
+    )
 
 
 class ForgetResponse(BaseModel):

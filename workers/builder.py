@@ -49,6 +49,17 @@ def _params(info: Any) -> dict[str, Any]:
     return dict(params.to_json() if hasattr(params, "to_json") else params)
 
 
+def _sizes(engine: EngineLike) -> dict[str, int]:
+    """Entries and bytes (on disk, in RAM) of the memory as the engine reports them now."""
+    try:
+        stats = engine.stats()
+    except Exception:  # a figure for the dashboard must never fail a finished build
+        log.exception("reading the memory's size after the build failed")
+        return {}
+    names = ("bytes_on_disk", "bytes_in_ram")
+    return {n: int(stats[n]) for n in names if stats.get(n) is not None}
+
+
 def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str | None:
     """Build the oldest queued request, if any; returns its key. Failures are recorded.
 
@@ -108,6 +119,9 @@ def _build(
     interpolation = getattr(info, "interpolation", None)
     if interpolation is not None:  # the constant chosen and whether the calibrator beat it
         params["interpolation"] = interpolation
+    sizes = _sizes(engine)
+    if sizes:  # the memory's size after the build: the dashboard's bytes over time
+        params["sizes"] = sizes
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,

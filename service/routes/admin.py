@@ -32,6 +32,7 @@ def build_out(b: IndexBuild) -> BuildOut:
     params = dict(b.params or {})
     data["calibrator"] = params.pop("calibrator", None)
     data["interpolation"] = params.pop("interpolation", None)
+    data["sizes"] = params.pop("sizes", None)
     data["params"] = params or None
     return BuildOut.model_validate(data)
 
