@@ -63,8 +63,10 @@ def check_precision(precision: str, device: torch.device) -> str:
 def quantise_int8(module: nn.Module) -> nn.Module:
     """torch's dynamic int8 quantisation of every nn.Linear under ``module`` (in place)."""
     with warnings.catch_warnings():
-        # torch.ao.quantization announces its move to torchao; the kernels are torch's own
+        # torch.ao.quantization announces its move to torchao (and its quantised tensors'
+        # deprecation); the kernels are still torch's own, and work
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantiz", category=UserWarning)
         from torch.ao.quantization import quantize_dynamic
 
         return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
@@ -119,24 +121,38 @@ def time_matmuls(
     device: torch.device,
     rows: int = PROBE_ROWS,
     repeats: int = PROBE_REPEATS,
+    float32_shapes: Counter[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """Seconds per ``rows`` tokens of the weight matmuls in each precision (best of
-    ``repeats`` rounds, precisions interleaved so that a busy spell hits all of them)."""
+    ``repeats`` rounds, precisions interleaved so that a busy spell hits all of them).
+
+    ``float32_shapes`` (the LM head) run in float32 whatever the precision: timed once
+    and added to every candidate, so that a speed-up is the whole forward's.
+    """
+    fixed = float32_shapes or Counter()
     ops = {p: {s: _timed_op(p, *s, rows, device) for s in shapes} for p in precisions}
-    best = {p: dict.fromkeys(shapes, math.inf) for p in precisions}
+    ops["head"] = {s: _timed_op("float32", *s, rows, device) for s in fixed}
+    best = {p: dict.fromkeys(ops[p], math.inf) for p in ops}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for p in precisions:  # warm-up: first calls pick kernels and fault pages in
-        for op in ops[p].values():
+    for group in ops.values():  # warm-up: first calls pick kernels and fault pages in
+        for op in group.values():
             op()
     for _ in range(repeats):
-        for p in precisions:
-            for s, op in ops[p].items():
+        for p, group in ops.items():
+            for s, op in group.items():
                 sync()
                 t = time.perf_counter()
                 op()
                 sync()
                 best[p][s] = min(best[p][s], time.perf_counter() - t)
-    return {p: sum(best[p][s] * n for s, n in shapes.items()) for p in precisions}
+    head = sum(best["head"][s] * n for s, n in fixed.items())
+    return {p: head + sum(best[p][s] * n for s, n in shapes.items()) for p in precisions}
+
+
+def head_shape(model: Any) -> Counter[tuple[int, int]]:
+    """The LM head's (in, out): it runs in float32 whatever the precision (core.Encoder)."""
+    w = model.get_output_embeddings().weight
+    return Counter({(int(w.shape[1]), int(w.shape[0])): 1})
 
 
 @torch.inference_mode()
@@ -241,8 +257,7 @@ def auto_precision(
     threads: int,
     ppl_of: Callable[[str], float],
     *,
-    timer: Callable[[Counter[tuple[int, int]], Sequence[str], torch.device], dict[str, float]]
-    | None = None,
+    timer: Callable[..., dict[str, float]] | None = None,
     root: Path | None = None,
 ) -> ProbeResult:
     """The cached choice for this processor and model, or a fresh probe (then cached).
@@ -268,7 +283,9 @@ def auto_precision(
             isinstance(m, nn.Linear) for m in model.base_model.modules()
         ):
             candidates.remove("int8")  # nothing to quantise (GPT-2's Conv1D)
-        seconds = (timer or time_matmuls)(shapes, candidates, device)
+        seconds = (timer or time_matmuls)(
+            shapes, candidates, device, float32_shapes=head_shape(model)
+        )
         result = choose_precision(seconds, ppl_of)
         result.key = key
         result.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
