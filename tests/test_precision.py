@@ -196,6 +196,7 @@ def test_low_precision_keys_match_float32_keys(precision):
     ref_enc = Encoder.load("tiny-llama", threads=1)
     low_enc = Encoder.load("tiny-llama", threads=1, precision=precision)
     assert low_enc.precision == precision and low_enc.model.dtype in (torch.bfloat16, torch.float32)
+    assert low_enc.flops_per_token(128) == ref_enc.flops_per_token(128)  # int8 too
     window = WindowConfig(context=128, stride=64)
     ref = ref_enc.encode_many(DOCS, window)
     low = low_enc.encode_many(DOCS, window)

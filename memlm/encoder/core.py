@@ -91,6 +91,12 @@ class Encoder:
         )
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # counted before int8 quantisation turns Linear weights into packed buffers
+        self._matmul_params = sum(
+            p.numel()
+            for n, p in self.model.named_parameters()
+            if "embed" not in n and "wte" not in n and "wpe" not in n
+        )
         # The hook stays on the MLP module: casting and quantising keep that module.
         self.model = cast_model(self.model, self.precision).to(self.device)
 
@@ -446,11 +452,7 @@ class Encoder:
 
     def flops_per_token(self, context: int) -> float:
         """Approximate forward FLOPs per token: 2 x parameters in matmuls + attention + head."""
-        n_params = sum(
-            p.numel()
-            for n, p in self.model.named_parameters()
-            if "embed" not in n and "wte" not in n and "wpe" not in n
-        )
+        n_params = self._matmul_params
         cfg = self.model.config
         layers = int(getattr(cfg, "num_hidden_layers", None) or cfg.n_layer)
         head_params = self.vocab_size * self.hidden_dim
