@@ -45,8 +45,10 @@ SETTING_PATTERN = r"^(auto|float32|bfloat16|float16|int8)$"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PPL_TOLERANCE = 0.005  # a candidate's perplexity may differ from float32's by 0.5% at most
 MIN_SPEEDUP = 1.10  # ... and must be this much faster: within timing noise, keep float32
-PROBE_ROWS = 256  # tokens per timed matmul (a window of the encoder's batches)
-PROBE_REPEATS = 3  # interleaved rounds; the best time of each shape is kept
+PROBE_ROWS = 512  # tokens per timed matmul: one 512-token window, the encoder's unit
+# Interleaved rounds; the best time of each shape is kept. On a shared machine single
+# calls vary 10x (measured at load 16 on 2 cores), so the minimum needs several samples.
+PROBE_REPEATS = 5
 PROBE_TEXT = Path(__file__).with_name("probe_text.txt")
 PROBE_TOKENS = 2048
 
