@@ -369,6 +369,10 @@ class StatsResponse(BaseModel):
     interpolation: InterpolationOut | None = Field(
         None, description="what answers /predict and /score and decides what MoNIM stores"
     )
+    device: str | None = Field(None, description="where the encoder runs (MEMLM_DEVICE)")
+    precision: str | None = Field(
+        None, description="what the encoder's transformer runs in (MEMLM_PRECISION)"
+    )
 
 
 class PolicyIn(Strict):
@@ -465,6 +469,8 @@ class Health(BaseModel):
     model: str | None = None
     index_version: str | None = None
     calibrator_version: str | None = None
+    device: str | None = None  # where the encoder runs
+    precision: str | None = None  # what its transformer runs in (auto's choice, if auto)
 
 
 StatsResponse.model_rebuild()

@@ -30,6 +30,10 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
         "protect_read": False,
         "worker_poll_seconds": 0.05,
         "index_poll_seconds": 3600,
+        # Exact expectations need the same numbers on every processor: no probe (auto
+        # could choose bfloat16 on one machine and float32 on another), no GPU.
+        "precision": "float32",
+        "device": "cpu",
     }
     base.update(over)
     return Settings(_env_file=None, **base)  # type: ignore[call-arg]

@@ -182,6 +182,8 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
             "model": "tiny-llama",
             "index_version": "2",
             "calibrator_version": None,
+            "device": "cpu",
+            "precision": "float32",
         }
 
         # --- rebuild 3: nothing new; the calibrator is carried beside version 3 ------------

@@ -65,6 +65,8 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         delta=settings.delta,
         rate=DEFAULT_RATE if settings.randmem_rate == "monim" else settings.randmem_rate,
         threads=settings.threads,
+        precision=settings.precision,
+        device=settings.device,
         encoder=encoder,
         gate_theta=settings.gate_theta,
         heldout=HeldOutConfig(
