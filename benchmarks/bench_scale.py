@@ -331,9 +331,9 @@ def predict_latency(
     import uvicorn
 
     from memlm.db.migrate import upgrade
+    from memlm.engine import open_engine
     from memlm.settings import Settings
     from service.app import create_app
-    from workers.engine import open_engine
 
     settings = Settings(
         _env_file=None,  # type: ignore[call-arg]

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
 from memlm.db.session import purge_wal
+from memlm.engine import EngineLike
 from memlm.locks import LockBusy
-from workers.engine import EngineLike
 
 log = logging.getLogger(__name__)
 
@@ -33,60 +33,13 @@ def enqueue_rebuild(
     requested_by: str = "manual",
     retrain: bool = False,
 ) -> tuple[IndexBuild, bool]:
-    """Request a build. With a key, the same key twice gives the first request; without,
-    the request joins a build already queued or running, else a new one is queued.
-
-    ``retrain``: the build trains the index from scratch instead of adding to the served
-    version. It joins a queued request (which then retrains), not a running one that
-    does not retrain: a new request is queued after it.
-    """
+    """Request a build in a transaction of its own (``BuildRepository.request``)."""
     with sessions.begin() as s:
-        builds = BuildRepository(s)
-        if key is None:
-            pending = builds.open_request()
-            if pending is not None and retrain and not _wants_retrain(pending):
-                if pending.status == "queued":
-                    pending.params = {**(pending.params or {}), "retrain": True}
-                    return pending, False
-                pending = None  # running without retraining: queue one after it
-            if pending is not None:
-                return pending, False
-            key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
-        return builds.enqueue(key, requested_by, retrain=retrain)
+        return BuildRepository(s).request(key, requested_by, retrain=retrain)
 
 
 def _wants_retrain(row: IndexBuild) -> bool:
     return bool((row.params or {}).get("retrain"))
-
-
-def reconcile_index(
-    engine: EngineLike, sessions: sessionmaker[Session], *, delete: bool
-) -> list[int]:
-    """Serve only recorded index versions; with ``delete`` (the worker at start) remove
-    the orphans of builds killed before their record. Returns the orphan versions.
-
-    Orphans are deleted, not adopted: their build request is still marked running, so
-    start-up queues it again and it is rebuilt from the datastore as it is now, this time
-    with its calibrator step and its record (an adopted directory may lack both).
-    """
-    reconcile = getattr(engine, "reconcile_index", None)
-    if reconcile is None:  # an engine without versioned directories (the fake)
-        return []
-    with contextlib.ExitStack() as held:
-        if delete:
-            try:  # the records are read under the lock: a build finishing now is kept
-                held.enter_context(engine.building(timeout=0))
-            except LockBusy:  # another process builds: its directory is not an orphan
-                delete = False
-        with sessions() as s:
-            recorded = BuildRepository(s).recorded_versions()
-        orphans: list[int] = reconcile(recorded, delete=delete)
-    for v in orphans:
-        if delete:
-            log.warning("deleted index version %d: no build record names it", v)
-        else:
-            log.warning("not serving index version %d: no build record names it", v)
-    return orphans
 
 
 def _params(info: Any) -> dict[str, Any]:
@@ -94,6 +47,17 @@ def _params(info: Any) -> dict[str, Any]:
     if params is None:
         return {}
     return dict(params.to_json() if hasattr(params, "to_json") else params)
+
+
+def _sizes(engine: EngineLike) -> dict[str, int]:
+    """Entries and bytes (on disk, in RAM) of the memory as the engine reports them now."""
+    try:
+        stats = engine.stats()
+    except Exception:  # a figure for the dashboard must never fail a finished build
+        log.exception("reading the memory's size after the build failed")
+        return {}
+    names = ("bytes_on_disk", "bytes_in_ram")
+    return {n: int(stats[n]) for n in names if stats.get(n) is not None}
 
 
 def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str | None:
@@ -155,6 +119,9 @@ def _build(
     interpolation = getattr(info, "interpolation", None)
     if interpolation is not None:  # the constant chosen and whether the calibrator beat it
         params["interpolation"] = interpolation
+    sizes = _sizes(engine)
+    if sizes:  # the memory's size after the build: the dashboard's bytes over time
+        params["sizes"] = sizes
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,

@@ -74,6 +74,15 @@ def eval_command(
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
     ),
+    precision: str = typer.Option(
+        "auto",
+        envvar="MEMLM_PRECISION",
+        help="auto (probed once per processor and model, cached), float32, bfloat16, "
+        "float16 (CUDA) or int8 (CPU)",
+    ),
+    device: str = typer.Option(
+        "auto", envvar="MEMLM_DEVICE", help="auto (CUDA when torch sees it), cpu, cuda[:N]"
+    ),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -155,8 +164,15 @@ def eval_command(
         lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
     )
+    from memlm.encoder import Encoder, EncoderError
+
     try:
-        report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+        encoder = Encoder.load(model, threads=threads, precision=precision, device=device)
+    except EncoderError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--precision / --device") from exc
+    typer.echo(f"encoder: {model} on {encoder.device} in {encoder.precision}")
+    try:
+        report = evaluate(cfg, load_corpus(corpus), out, encoder=encoder, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
     from memlm.evaluate import render_markdown

@@ -369,6 +369,29 @@ class BuildRepository:
             return winner, False
         return row, True
 
+    def request(
+        self, key: str | None = None, requested_by: str = "manual", *, retrain: bool = False
+    ) -> tuple[IndexBuild, bool]:
+        """Request a build. With a key, the same key twice gives the first request; without,
+        the request joins a build already queued or running, else a new one is queued.
+        Returns (the request, whether it is new).
+
+        ``retrain``: the build trains the index from scratch instead of adding to the served
+        version. It joins a queued request (which then retrains), not a running one that
+        does not retrain: a new request is queued after it.
+        """
+        if key is None:
+            pending = self.open_request()
+            if pending is not None and retrain and not (pending.params or {}).get("retrain"):
+                if pending.status == "queued":
+                    pending.params = {**(pending.params or {}), "retrain": True}
+                    return pending, False
+                pending = None  # running without retraining: queue one after it
+            if pending is not None:
+                return pending, False
+            key = f"{requested_by}:{utcnow().isoformat(timespec='microseconds')}"
+        return self.enqueue(key, requested_by, retrain=retrain)
+
     def open_request(self) -> IndexBuild | None:
         """A queued or running build, if any (manual requests coalesce onto it)."""
         q = (
