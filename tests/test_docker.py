@@ -15,7 +15,7 @@ from memlm.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 MEMLM_SERVICES = ("migrate", "api", "worker", "scheduler")
 # Variables read from the environment outside the settings object, and by whom.
-READ_ELSEWHERE = {"MEMLM_CACHE_DIR": ROOT / "memlm" / "encoder.py"}
+READ_ELSEWHERE = {"MEMLM_CACHE_DIR": ROOT / "memlm" / "encoder" / "loading.py"}
 
 
 def _compose() -> dict[str, Any]:
