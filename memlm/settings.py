@@ -131,6 +131,13 @@ class Settings(BaseSettings):
     # second instead of thousands. An asyncio sleep: no thread and no model time. 0: off.
     overload_delay_seconds: float = Field(default=0.5, ge=0, le=10)
 
+    # --- dashboard (GET /dashboard) -----------------------------------------------------
+    # How often the page polls /admin/stats/history.
+    dashboard_refresh_seconds: float = Field(default=10.0, ge=1, le=3600)
+    # Lifetime of the session cookie the login form sets (changing the admin token ends
+    # every session at once).
+    dashboard_session_hours: float = Field(default=12.0, gt=0, le=24 * 30)
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:

@@ -414,6 +414,11 @@ class RebuildRequest(Strict):
         description="idempotency key: the same key twice builds once; "
         "without one the request joins a queued or running build",
     )
+    retrain: bool = Field(
+        False,
+        description="train the index from scratch; otherwise the build adds the new "
+        "entries to the served version and retrains only when the memory grew 4x",
+    )
 
     @field_validator("key")
     @classmethod
@@ -445,6 +450,11 @@ class BuildOut(BaseModel):
         description="the interpolation this version serves: the constant k, temperature and "
         "lambda chosen on the held-out tokens, and whether the calibrator beat it "
         "(lambda_source)",
+    )
+    sizes: dict[str, int] | None = Field(
+        None,
+        description="bytes_on_disk and bytes_in_ram of the memory right after the build "
+        "(the dashboard's memory size over time)",
     )
 
 

@@ -3,7 +3,8 @@
 It owns the encoder, the datastore and the served memory index of one data directory,
 and offers the operations of the data flow in DESIGN.md: memorise a document with a
 policy, predict the next token, score a text, rebuild the index, forget a document.
-No database and no HTTP here; the caller commits its own bookkeeping.
+No HTTP here, and the database only in opening.py (reads of its records); the caller
+commits its own bookkeeping.
 
 Modules, one responsibility each::
 
@@ -17,6 +18,9 @@ Modules, one responsibility each::
     stats.py     ``stats``
     results.py   the dataclasses the operations return
     errors.py    ``EngineInputError``
+    protocol.py  ``EngineLike``: the calls the service and the workers make
+    opening.py   ``open_engine`` from the settings, the policy factory and its params,
+                 ``day_number``, ``reconcile_index`` (serve only recorded index versions)
 
 Importing the package is light (no torch, faiss or transformers): the names below load
 their module on first use, so the service can name the engine before the model loads.
@@ -31,6 +35,14 @@ if TYPE_CHECKING:
     from memlm.engine.core import BUILD_LOCK, ENGINE_CRASH_POINTS
     from memlm.engine.errors import EngineInputError
     from memlm.engine.facade import Engine
+    from memlm.engine.opening import (
+        day_number,
+        open_engine,
+        policy_factory,
+        policy_params,
+        reconcile_index,
+    )
+    from memlm.engine.protocol import EngineLike
     from memlm.engine.results import (
         ContextFit,
         IngestResult,
@@ -58,6 +70,12 @@ _LAZY = {
     "RebuildInfo": "memlm.engine.results",
     "ScoreResult": "memlm.engine.results",
     "Suggestion": "memlm.engine.results",
+    "EngineLike": "memlm.engine.protocol",
+    "day_number": "memlm.engine.opening",
+    "open_engine": "memlm.engine.opening",
+    "policy_factory": "memlm.engine.opening",
+    "policy_params": "memlm.engine.opening",
+    "reconcile_index": "memlm.engine.opening",
     "MemoryOptions": "memlm.knnlm",
     "make_policy": "memlm.policy",
 }
@@ -68,6 +86,7 @@ __all__ = [
     "ContextFit",
     "Engine",
     "EngineInputError",
+    "EngineLike",
     "IngestResult",
     "MemoryOptions",
     "Neighbour",
@@ -76,7 +95,12 @@ __all__ = [
     "RebuildInfo",
     "ScoreResult",
     "Suggestion",
+    "day_number",
     "make_policy",
+    "open_engine",
+    "policy_factory",
+    "policy_params",
+    "reconcile_index",
 ]
 
 
