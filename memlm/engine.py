@@ -24,6 +24,7 @@ import torch
 from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
 from memlm.datastore import Compaction, Datastore, SimulatedCrash
 from memlm.encoder import BUNDLED_MODEL, Decoding, Encoder, TokenOutputs, WindowConfig
+from memlm.generate import GenerateConfig, Generation
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.index import (
     BuildInfo,
@@ -470,6 +471,23 @@ class Engine:
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` (what a request costs the model thread)."""
         return len(self.encoder.tokenize(text))
+
+    @property
+    def generation_positions(self) -> int:
+        """Context plus generated tokens that a continuation may hold (the model's positions)."""
+        return self.encoder.max_positions
+
+    def start_generation(self, context: str, cfg: GenerateConfig) -> Generation:
+        """Read ``context`` and return the continuation to step (``memlm.generate``)."""
+        ids = self.encoder.tokenize(context)
+        if not ids:
+            raise EngineInputError("the context is empty after tokenisation")
+        if len(ids) + cfg.max_tokens > self.generation_positions:
+            raise EngineInputError(
+                f"the context has {len(ids)} tokens; with max_tokens {cfg.max_tokens} that "
+                f"exceeds the model's {self.generation_positions} positions"
+            )
+        return Generation.start(self, ids, cfg)
 
     def predict(
         self,

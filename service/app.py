@@ -22,7 +22,7 @@ from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.provenance import SpanCache
-from service.routes import admin, documents, health, inference
+from service.routes import admin, documents, generate, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
 from workers.builder import reconcile_index
@@ -212,7 +212,7 @@ def create_app(
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    for module in (documents, inference, admin, health):
+    for module in (documents, inference, generate, admin, health):
         app.include_router(module.router)
     app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
