@@ -115,7 +115,7 @@ def _done(gen: Any, produced: int) -> GenerateDone:
 
 
 def _event(name: str, data: str) -> bytes:
-    return format_sse_event(event=name, data_str=data).encode()
+    return format_sse_event(event=name, data_str=data)
 
 
 async def _stream(state: AppState, gen: Any, may_read: bool) -> AsyncIterator[bytes]:
@@ -136,7 +136,7 @@ async def _stream(state: AppState, gen: Any, may_read: bool) -> AsyncIterator[by
 @router.post(
     "/generate",
     response_model=GenerateResponse,
-    responses={200: _STREAM, **error_responses(401, 413, 422, 429, 503)},
+    responses={200: _STREAM, **error_responses(400, 401, 413, 422, 429, 503)},
     summary="A continuation under the memory-augmented distribution (JSON or SSE)",
 )
 async def generate(
