@@ -23,16 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
-import threading
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+from _common import interleaved, load_average, markdown_table, memorise, open_served_engine, serving
 
 
 def main() -> None:
@@ -46,36 +39,24 @@ def main() -> None:
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP row")
     args = ap.parse_args()
 
+    import contextlib
+
     import httpx
     import torch
-    import uvicorn
 
     from memlm.corpus import load_news
-    from memlm.db.migrate import upgrade
     from memlm.generate import GenerateConfig, generate
-    from memlm.settings import Settings
     from service.app import create_app
-    from workers.engine import open_engine
 
     load_before = load_average()
     news = load_news()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
-    settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]
-        data_dir=tmp,
+    settings, engine, _ = open_served_engine(
+        "bench-generate",
         model=args.model,
         threads=args.threads,
-        index_poll_seconds=3600,
-        embedded_worker=False,
         max_generate_tokens=max(256, args.tokens),
     )
-    upgrade(settings.db_url)
-    engine: Any = open_engine(settings, writer=True)
-    t0 = time.perf_counter()
-    for i, d in enumerate(news[: args.memory_docs]):
-        engine.process_document(i + 1, d.text, 0)
-    engine.rebuild()
-    build_s = time.perf_counter() - t0
+    build_s = memorise(engine, settings, news[: args.memory_docs])
     stats = engine.stats()
     enc = engine.encoder
     contexts: list[list[int]] = []
@@ -87,10 +68,18 @@ def main() -> None:
             break
     n = args.tokens
     cfg = GenerateConfig(max_tokens=n, stop_at_eos=False)
+    current: list[list[int]] = []
     outputs: dict[str, list[int]] = {}
+    agree: list[int] = []
+    produced: dict[str, list[int]] = {"HF generate": [], "memlm.generate": [], "HTTP /generate": []}
 
-    def hf(ids: list[int]) -> int:
-        x = torch.tensor([ids])
+    def next_round() -> None:
+        if outputs:  # the round before: how many greedy tokens the memory left alone
+            agree.append(sum(a == b for a, b in zip(outputs["hf"], outputs["memlm"], strict=True)))
+        current[:] = [contexts[len(agree) % len(contexts)]]
+
+    def hf() -> None:
+        x = torch.tensor(current)
         with torch.inference_mode():
             out = enc.model.generate(
                 input_ids=x,
@@ -100,52 +89,30 @@ def main() -> None:
                 do_sample=False,
                 pad_token_id=enc.tokenizer.eos_token_id,
             )
-        outputs["hf"] = out[0, len(ids) :].tolist()
-        return int(out.shape[1]) - len(ids)
+        outputs["hf"] = out[0, x.shape[1] :].tolist()
+        produced["HF generate"].append(len(outputs["hf"]))
 
-    def ours(ids: list[int]) -> int:
-        _, toks = generate(engine, ids, cfg)
+    def ours() -> None:
+        _, toks = generate(engine, current[0], cfg)
         outputs["memlm"] = [t.token_id for t in toks]
-        return len(toks)
+        produced["memlm.generate"].append(len(toks))
 
-    rows: dict[str, Callable[[list[int]], int]] = {"HF generate": hf, "memlm.generate": ours}
-    server = thread = client = None
-    if not args.no_http:
-        app = create_app(settings, engine=engine, run_worker=False, poll=False)
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    paths: dict[str, Any] = {"HF generate": hf, "memlm.generate": ours}
+    with contextlib.ExitStack() as stack:
+        if not args.no_http:
+            app = create_app(settings, engine=engine, run_worker=False, poll=False)
+            base = stack.enter_context(serving(app))
+            client = stack.enter_context(httpx.Client(base_url=base, timeout=600))
 
-        def http(ids: list[int]) -> int:
-            assert client is not None
-            body = {"context": enc.tokenizer.decode(ids), "max_tokens": n}
-            r = client.post("/generate", json=body)
-            r.raise_for_status()
-            return int(r.json()["generated_tokens"])
+            def http() -> None:
+                body = {"context": enc.tokenizer.decode(current[0]), "max_tokens": n}
+                r = client.post("/generate", json=body)
+                r.raise_for_status()
+                produced["HTTP /generate"].append(r.json()["generated_tokens"])  # eos may end it
 
-        rows["HTTP /generate"] = http
-
-    rates: dict[str, list[float]] = {name: [] for name in rows}
-    agree: list[int] = []
-    for r, ids in enumerate(contexts[: args.rounds + 1]):
-        for name, fn in rows.items():
-            t = time.perf_counter()
-            got = fn(ids)
-            dt = time.perf_counter() - t
-            if r > 0:  # round 0 warms up every path
-                rates[name].append(got / dt)
-        if r > 0:
-            agree.append(sum(a == b for a, b in zip(outputs["hf"], outputs["memlm"], strict=True)))
-    if client is not None and server is not None and thread is not None:
-        client.close()
-        server.should_exit = True
-        thread.join(10)
+            paths["HTTP /generate"] = http
+        times = interleaved(paths, args.rounds, warmup=1, before_round=next_round)
+    next_round()
 
     print(f"model {args.model}, threads {args.threads}, torch {torch.__version__}")
     print(
@@ -159,18 +126,22 @@ def main() -> None:
     )
     print(f"load average before: {load_before}; after: {load_average()}")
     print()
-    base = statistics.median(rates["HF generate"])
-    print(f"| {'path':16s} | tokens/s median | tokens/s mean | vs HF generate (median) |")
-    print(f"|{'-' * 18}|----------------:|--------------:|------------------------:|")
-    for name, xs in rates.items():
-        med = statistics.median(xs)
-        print(
-            f"| {name:16s} | {med:15.1f} | {statistics.fmean(xs):13.1f} | {med / base:22.2f}x |"
-        )
+    # tokens per second of each timed call (the warm-up round's call is the first)
+    rates = {
+        name: [k / s for k, s in zip(produced[name][1:], secs, strict=True)]
+        for name, secs in times.items()
+    }
+    base_rate = statistics.median(rates["HF generate"])
+    rows = [
+        (name, statistics.median(xs), statistics.fmean(xs), statistics.median(xs) / base_rate)
+        for name, xs in rates.items()
+    ]
+    print(markdown_table(["path", "tokens/s median", "tokens/s mean", "x HF generate"], rows))
     print()
+    timed = agree[1:]  # the warm-up round's tokens are not counted
     print(
         f"greedy tokens equal to HF generate's (the memory changes the rest): "
-        f"{sum(agree)} of {n * len(agree)}"
+        f"{sum(timed)} of {n * len(timed)}"
     )
 
 

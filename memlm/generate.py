@@ -186,13 +186,8 @@ class Generation:
         out: list[GeneratedToken] = []
         engine, cfg = self.engine, self.cfg
         while len(out) < n and not self.done:
-            nxt = engine._next_token(
-                self._key,
-                self._hidden,
-                np.array([self._prev]),
-                k=self.served.params.k,
-                lookup=cfg.neighbour,
-                served=self.served,
+            nxt = engine.next_token(
+                self._key, self._hidden, np.array([self._prev]), self.served, lookup=cfg.neighbour
             )
             prob = nxt.prob[0]
             tok = choose(prob, cfg, self.rng)
@@ -206,10 +201,7 @@ class Generation:
                 self.finish_reason = "eos"
             elif last:
                 self.finish_reason = "length"
-            found = None
-            if cfg.neighbour:
-                near = engine._neighbours(nxt.eids[0], nxt.vals[0], nxt.dist[0], 1)
-                found = near[0] if near else None
+            found = engine.nearest(nxt) if cfg.neighbour else None
             out.append(
                 GeneratedToken(
                     tok,

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
 from memlm.db.session import purge_wal
+from memlm.engine import EngineLike
 from memlm.locks import LockBusy
-from workers.engine import EngineLike
 
 log = logging.getLogger(__name__)
 
@@ -29,46 +29,9 @@ def nightly_key(day: dt.date) -> str:
 def enqueue_rebuild(
     sessions: sessionmaker[Session], *, key: str | None = None, requested_by: str = "manual"
 ) -> tuple[IndexBuild, bool]:
-    """Request a build. With a key, the same key twice gives the first request; without,
-    the request joins a build already queued or running, else a new one is queued."""
+    """Request a build in a transaction of its own (``BuildRepository.request``)."""
     with sessions.begin() as s:
-        builds = BuildRepository(s)
-        if key is None:
-            pending = builds.open_request()
-            if pending is not None:
-                return pending, False
-            key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
-        return builds.enqueue(key, requested_by)
-
-
-def reconcile_index(
-    engine: EngineLike, sessions: sessionmaker[Session], *, delete: bool
-) -> list[int]:
-    """Serve only recorded index versions; with ``delete`` (the worker at start) remove
-    the orphans of builds killed before their record. Returns the orphan versions.
-
-    Orphans are deleted, not adopted: their build request is still marked running, so
-    start-up queues it again and it is rebuilt from the datastore as it is now, this time
-    with its calibrator step and its record (an adopted directory may lack both).
-    """
-    reconcile = getattr(engine, "reconcile_index", None)
-    if reconcile is None:  # an engine without versioned directories (the fake)
-        return []
-    with contextlib.ExitStack() as held:
-        if delete:
-            try:  # the records are read under the lock: a build finishing now is kept
-                held.enter_context(engine.building(timeout=0))
-            except LockBusy:  # another process builds: its directory is not an orphan
-                delete = False
-        with sessions() as s:
-            recorded = BuildRepository(s).recorded_versions()
-        orphans: list[int] = reconcile(recorded, delete=delete)
-    for v in orphans:
-        if delete:
-            log.warning("deleted index version %d: no build record names it", v)
-        else:
-            log.warning("not serving index version %d: no build record names it", v)
-    return orphans
+        return BuildRepository(s).request(key, requested_by)
 
 
 def _params(info: Any) -> dict[str, Any]:

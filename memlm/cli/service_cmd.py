@@ -76,9 +76,9 @@ def _migrated_sessions(settings: Any) -> Any:
 def _serve(settings: Any, host: str, port: int) -> None:
     import uvicorn
 
-    from service.app import create_app
+    from memlm.cli.compose import build_app
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
+    uvicorn.run(build_app(settings), host=host, port=port, log_config=None)
 
 
 def _queue_demo(settings: Any, days: int) -> int:
@@ -187,7 +187,7 @@ def worker(
 ) -> None:
     """Run the ingest worker (and queued index builds) until interrupted."""
     _logging()
-    from workers.engine import open_engine, policy_factory
+    from memlm.engine import open_engine, policy_factory
     from workers.ingest import IngestWorker
 
     settings = _settings()

@@ -365,6 +365,19 @@ class BuildRepository:
             return winner, False
         return row, True
 
+    def request(
+        self, key: str | None = None, requested_by: str = "manual"
+    ) -> tuple[IndexBuild, bool]:
+        """Request a build. With a key, the same key twice gives the first request; without,
+        the request joins a build already queued or running, else a new one is queued.
+        Returns (the request, whether it is new)."""
+        if key is None:
+            pending = self.open_request()
+            if pending is not None:
+                return pending, False
+            key = f"{requested_by}:{utcnow().isoformat(timespec='microseconds')}"
+        return self.enqueue(key, requested_by)
+
     def open_request(self) -> IndexBuild | None:
         """A queued or running build, if any (manual requests coalesce onto it)."""
         q = (
