@@ -28,12 +28,16 @@ from memlm.client.errors import (
     ValidationFailed,
 )
 from memlm.client.sync import Client
+from service.generate_schemas import GenerateDone, GeneratedTokenOut, GenerateResponse
 
 __all__ = [
     "AsyncClient",
     "BadRequest",
     "Client",
     "Conflict",
+    "GenerateDone",
+    "GenerateResponse",
+    "GeneratedTokenOut",
     "MemlmError",
     "NotFound",
     "Overloaded",
