@@ -105,7 +105,7 @@ def calls() -> list[Call]:
             "POST",
             "/generate",
             {"context": CONTEXT, "max_tokens": 8, "neighbour": True},
-            note="Greedy, each token with its nearest neighbour (`\"stream\": true` sends "
+            note='Greedy, each token with its nearest neighbour (`"stream": true` sends '
             "the same tokens as server-sent events):",
         ),
         Call(
