@@ -49,9 +49,7 @@ class GenerateMixin(PredictMixin):
     ) -> _NextToken:
         """The augmented next-token distributions of R rows: keys (R, d), head inputs
         (R, h), their last tokens (R,); the same computation as ``predict``."""
-        return self._next_token(
-            keys, hidden, prev, k=served.params.k, lookup=lookup, served=served
-        )
+        return self._next_token(keys, hidden, prev, k=served.params.k, lookup=lookup, served=served)
 
     def nearest(self, nxt: _NextToken, row: int = 0) -> Neighbour | None:
         """The nearest neighbour of a row's search, with its provenance (None if none)."""

@@ -82,7 +82,7 @@ async def _token_outs(
             prob=t.prob,
             lm_prob=t.lm_prob,
             knn_prob=t.knn_prob,
-            lambda_=t.lam,
+            **{"lambda": t.lam},
             neighbour=next(it) if t.neighbour is not None else None,
         )
         for t in tokens
