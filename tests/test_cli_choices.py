@@ -17,7 +17,7 @@ from memlm.cli.train_cmd import RUNNERS, Arch, Objective, Tokenizer
 from memlm.policy import POLICY_NAMES
 
 runner = CliRunner()
-WIDE = {"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"}
+WIDE = {"COLUMNS": "250", "NO_COLOR": "1"}
 
 
 def _commands() -> list[tuple[list[str], Any]]:

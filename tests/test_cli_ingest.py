@@ -17,7 +17,7 @@ from tests.fakes import FakeEngine
 from tests.service_helpers import make_settings, serve
 from tests.test_api import by_name
 
-runner = CliRunner(env={"COLUMNS": "500", "TERMINAL_WIDTH": "500", "NO_COLOR": "1"})
+runner = CliRunner(env={"COLUMNS": "500", "NO_COLOR": "1"})
 TOKEN = "ingest-secret-for-tests"
 
 
