@@ -130,6 +130,13 @@ class Settings(BaseSettings):
     # retries at once, ignoring Retry-After, then costs the event loop a few refusals a
     # second instead of thousands. An asyncio sleep: no thread and no model time. 0: off.
     overload_delay_seconds: float = Field(default=0.5, ge=0, le=10)
+    # Tokens one /generate may ask for (max_tokens): each is a one-token forward and a
+    # search on the model thread, about 20-60 ms with SmolLM2 on one CPU thread.
+    max_generate_tokens: int = Field(default=256, ge=1)
+    # Tokens a /generate job runs before the model thread takes other requests: small
+    # enough that /predict waits at most a few steps, large enough that the queue hop
+    # (well under 1 ms) is noise next to a step.
+    generate_chunk_tokens: int = Field(default=4, ge=1, le=64)
 
     # --- dashboard (GET /dashboard) -----------------------------------------------------
     # How often the page polls /admin/stats/history.

@@ -101,7 +101,8 @@ def test_migrations_run_before_api_worker_and_scheduler() -> None:
 def test_images_install_the_package_itself_with_its_migrations(dockerfile: str) -> None:
     text = (ROOT / dockerfile).read_text()
     copied = set(re.findall(r"^COPY (\w+) \1$", text, flags=re.M))
-    assert copied == {"memlm", "service", "workers"}
+    assert copied == {"memlm", "service", "workers", "migrations"}
+    assert "COPY setup.py ./" in text  # it maps migrations/ into the package
     # Not editable: the image runs what the wheel ships (tests/test_packaging.py).
     assert "RUN pip install . " in text and "pip install -e" not in text
     assert 'ENTRYPOINT ["memlm"]' in text
