@@ -114,7 +114,11 @@ def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> 
         info = mem.build(params)
         assert info["index_recreated"] is True and info["entries"] == 3000
         assert mem.stats()["index"] == {
-            "kind": "ivfpq", "nlist": 16, "m": 4, "nbits": 8, "nprobe": 16
+            "kind": "ivfpq",
+            "nlist": 16,
+            "m": 4,
+            "nbits": 8,
+            "nprobe": 16,
         }
         # nprobe == nlist: every list is scanned, so the top hit of a stored key is itself
         _, ids, _ = mem.search(keys[:20], 1)

@@ -98,7 +98,9 @@ def test_ivfpq_recall_at_64(tmp_path: Path, milvus_url: str) -> None:
         rows = (mids >> 24) * 1000 + (mids & ((1 << 24) - 1))
 
         def recall(found: np.ndarray) -> float:
-            return float(np.mean([len(set(f) & set(t)) / 64 for f, t in zip(found, truth)]))
+            return float(
+                np.mean([len(set(f) & set(t)) / 64 for f, t in zip(found, truth, strict=True)])
+            )
 
         r_f, r_m = recall(fi), recall(rows)
         print(f"recall@64 faiss {r_f:.3f} milvus {r_m:.3f}")

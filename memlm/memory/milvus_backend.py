@@ -175,33 +175,49 @@ class MilvusMemory:
     ) -> npt.NDArray[np.int64]:
         """Write entries (all of each of their documents): the documents' earlier entries
         are deleted first, then these are upserted; returns their deterministic ids."""
-        k = np.ascontiguousarray(keys, dtype=np.float32)
-        n = len(k)
-        if k.ndim != 2 or k.shape[1] != self.dim:
-            raise ValueError(f"keys: expected shape (n, {self.dim}), got {k.shape}")
-        vals = np.asarray(values, np.int64)
         docs = np.asarray(documents, np.int64)
-        pos = np.asarray(positions, np.int64)
-        dys = np.asarray(days, np.int64)
-        if not (len(vals) == len(docs) == len(pos) == len(dys) == n):
-            raise ValueError("keys, values, documents, positions and days differ in length")
-        ids = entry_ids(docs, pos)
-        if len(np.unique(ids)) != n:
-            raise ValueError("two entries with the same (document, position)")
+        self._check(keys, values, docs, positions, days)
         uniq = np.unique(docs)
         if len(uniq):
             self._delete_expr(f"doc_id in {uniq.tolist()}")
-        for a in range(0, n, INSERT_BATCH):
-            b = min(n, a + INSERT_BATCH)
+        return self.upsert(keys, values, docs, positions, days)
+
+    def _check(
+        self,
+        keys: npt.ArrayLike,
+        values: npt.ArrayLike,
+        documents: npt.ArrayLike,
+        positions: npt.ArrayLike,
+        days: npt.ArrayLike,
+    ) -> npt.NDArray[np.int64]:
+        k = np.asarray(keys)
+        n = len(k)
+        if k.ndim != 2 or k.shape[1] != self.dim:
+            raise ValueError(f"keys: expected shape (n, {self.dim}), got {k.shape}")
+        if not (len(values) == len(documents) == len(positions) == len(days) == n):  # type: ignore[arg-type]
+            raise ValueError("keys, values, documents, positions and days differ in length")
+        ids = entry_ids(documents, positions)
+        if len(np.unique(ids)) != n:
+            raise ValueError("two entries with the same (document, position)")
+        return ids
+
+    def upsert(
+        self,
+        keys: npt.ArrayLike,
+        values: npt.ArrayLike,
+        documents: npt.ArrayLike,
+        positions: npt.ArrayLike,
+        days: npt.ArrayLike,
+    ) -> npt.NDArray[np.int64]:
+        """Insert or replace entries by their deterministic ids (idempotent); a document may
+        span several calls (``migrate``); returns the ids."""
+        ids = self._check(keys, values, documents, positions, days)
+        k = np.ascontiguousarray(keys, dtype=np.float32)
+        cols = [np.asarray(c, np.int64) for c in (values, documents, positions, days)]
+        for a in range(0, len(k), INSERT_BATCH):
+            b = min(len(k), a + INSERT_BATCH)
             self.collection.upsert(
-                [
-                    ids[a:b].tolist(),
-                    vals[a:b].tolist(),
-                    docs[a:b].tolist(),
-                    pos[a:b].tolist(),
-                    dys[a:b].tolist(),
-                    k[a:b],
-                ],
+                [ids[a:b].tolist(), *(c[a:b].tolist() for c in cols), k[a:b]],
                 timeout=self.timeout,
             )
         return ids
@@ -386,4 +402,3 @@ class MilvusMemory:
 
     def close(self) -> None:
         connections.disconnect(self.alias)
-
