@@ -276,7 +276,12 @@ class MilvusMemory:
         return np.array(sorted(out), dtype=np.int64)
 
     def refresh(self) -> int:
-        return 0  # the query nodes follow inserts by themselves (growing segments)
+        """Follow an index another process re-created (a build); the query nodes follow
+        inserts by themselves (growing segments), so nothing else is read. Returns 0."""
+        served = self._index_params()
+        if milvus_index(served) != milvus_index(self.params):
+            self.params = served
+        return 0
 
     def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
         q = np.ascontiguousarray(queries, dtype=np.float32)
@@ -357,8 +362,10 @@ class MilvusMemory:
         with self._lock:
             t0 = time.perf_counter()
             flush_s = self.flush()
+            t1 = time.perf_counter()
             self.collection.compact(timeout=self.timeout)
             self.collection.wait_for_compaction_completed(timeout=max(self.timeout, 600))
+            compact_s = time.perf_counter() - t1
             n = self.count()
             want = params or self.params_for(n)
             recreated, unavailable = False, 0.0
@@ -370,9 +377,11 @@ class MilvusMemory:
                 self.collection.load(timeout=max(self.timeout, 600))
                 unavailable = time.perf_counter() - t1
                 recreated = True
+            t2 = time.perf_counter()
             utility.wait_for_index_building_complete(
                 self.url.collection, using=self.alias, timeout=max(self.timeout, 600)
             )
+            index_s = time.perf_counter() - t2
             self.params = want  # the index Milvus holds now, and its nprobe
             return {
                 "backend": self.name,
@@ -381,6 +390,8 @@ class MilvusMemory:
                 "index_recreated": recreated,
                 "unavailable_seconds": round(unavailable, 3),
                 "flush_seconds": round(flush_s, 3),
+                "compact_seconds": round(compact_s, 3),
+                "index_wait_seconds": round(index_s, 3),
                 "seconds": round(time.perf_counter() - t0, 3),
             }
 
