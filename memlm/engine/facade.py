@@ -39,6 +39,7 @@ class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, Sta
         shared: bool = False,
         grid: TuneGrid | None = SERVED_GRID,
         tune_min_tokens: int = MIN_TUNE_TOKENS,
+        memory_url: str | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
         enc = encoder or Encoder.load(model, threads=threads)
@@ -55,4 +56,5 @@ class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, Sta
             shared=shared,
             grid=grid,
             tune_min_tokens=tune_min_tokens,
+            memory_url=memory_url,
         )

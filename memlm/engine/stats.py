@@ -20,6 +20,8 @@ class StatsMixin(EngineCore):
         return fresh + built * (info.params.m + 8)
 
     def stats(self) -> dict[str, Any]:
+        if self.on_milvus:
+            return self._stats_milvus()
         ds = self.datastore.stats()
         idx = self.index.stats()
         index_bytes = (
@@ -28,6 +30,7 @@ class StatsMixin(EngineCore):
             else 0
         )
         return {
+            "backend": "faiss",
             "entries": ds["live_entries"],
             "datastore_entries": ds["entries"],
             "datastore_rows": ds["rows"],
@@ -37,6 +40,25 @@ class StatsMixin(EngineCore):
             "bytes_in_ram": self._index_ram_bytes(idx),
             "index_version": self.index.version,
             "index": idx,
+            "model": self.encoder.name,
+            "policy": self.policy.name,
+            "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
+            "interpolation": self.served.to_json(),
+            "calibrator": self._calibrator_stats(),
+        }
+
+    def _stats_milvus(self) -> dict[str, Any]:
+        """The collection's own count and index; no local files hold entries."""
+        mem = self.memory.stats()
+        return {
+            "backend": "milvus",
+            "entries": mem["entries"],
+            "datastore_entries": mem["entries"],  # no local files: the collection's count
+            "bytes_on_disk": None,
+            "bytes_in_ram": None,
+            "memory": mem,
+            "index_version": None,
+            "index": mem["index"],
             "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},

@@ -44,7 +44,9 @@ class MemoryBackend(Protocol):
     """A kNN-LM memory: entries (key -> value) with provenance (document, position, day)."""
 
     name: str  # "faiss" or "milvus": what /admin/stats reports
-    dim: int
+
+    @property
+    def dim(self) -> int: ...
 
     def append(
         self,
