@@ -46,7 +46,9 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def real_keys(folder: Path, n_queries: int) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.float32]]:
+def real_keys(
+    folder: Path, n_queries: int
+) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.float32]]:
     """All keys of the folder's files; the last files' keys are the queries (held out)."""
     files = sorted(f for f in folder.glob("*.npz") if not f.name.endswith(".tmp.npz"))
     arrays = []
@@ -61,7 +63,9 @@ def real_keys(folder: Path, n_queries: int) -> tuple[npt.NDArray[np.float16], np
     return np.concatenate(arrays), np.concatenate(queries)[:n_queries].astype(np.float32)
 
 
-def stretch(keys: npt.NDArray[np.float16], n: int, noise: float, seed: int = 0) -> npt.NDArray[np.float16]:
+def stretch(
+    keys: npt.NDArray[np.float16], n: int, noise: float, seed: int = 0
+) -> npt.NDArray[np.float16]:
     """``n`` keys: the real ones, then jittered copies (Gaussian, ``noise`` x per-dim std)."""
     if n <= len(keys):
         return keys[:n]
@@ -72,7 +76,9 @@ def stretch(keys: npt.NDArray[np.float16], n: int, noise: float, seed: int = 0) 
     while have < n:
         m = min(len(keys), n - have)
         base = keys[rng.integers(0, len(keys), m)].astype(np.float32)
-        out.append((base + rng.standard_normal(base.shape).astype(np.float32) * std).astype(np.float16))
+        out.append(
+            (base + rng.standard_normal(base.shape).astype(np.float32) * std).astype(np.float16)
+        )
         have += m
     return np.concatenate(out)
 
@@ -82,7 +88,11 @@ def ms(samples: list[float]) -> float:
 
 
 def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
-    return float(np.mean([len(np.intersect1d(f[f >= 0], t)) / len(t) for f, t in zip(found, truth, strict=True)]))
+    return float(
+        np.mean(
+            [len(np.intersect1d(f[f >= 0], t)) / len(t) for f, t in zip(found, truth, strict=True)]
+        )
+    )
 
 
 def docs_of(keys: npt.NDArray[np.float16]):
@@ -90,10 +100,26 @@ def docs_of(keys: npt.NDArray[np.float16]):
     for d, a in enumerate(range(0, len(keys), DOC_LEN)):
         k = keys[a : a + DOC_LEN]
         m = len(k)
-        yield a, (k, np.arange(a, a + m) % 49152, np.full(m, d), np.arange(m), np.full(m, 17_000 + d // 100))
+        yield (
+            a,
+            (
+                k,
+                np.arange(a, a + m) % 49152,
+                np.full(m, d),
+                np.arange(m),
+                np.full(m, 17_000 + d // 100),
+            ),
+        )
 
 
-def search_rows(mem: Any, q: npt.NDArray[np.float32], k: int, truth: npt.NDArray[np.int64], to_row: Any, reps: int) -> dict[str, float]:
+def search_rows(
+    mem: Any,
+    q: npt.NDArray[np.float32],
+    k: int,
+    truth: npt.NDArray[np.int64],
+    to_row: Any,
+    reps: int,
+) -> dict[str, float]:
     mem.search(q[:2], k)  # warm
     one = []
     for j in range(reps):
@@ -110,13 +136,17 @@ def search_rows(mem: Any, q: npt.NDArray[np.float32], k: int, truth: npt.NDArray
     return {"b1 ms": ms(one), "b64 ms": ms(b64), f"recall@{k}": recall(found, truth)}
 
 
-def visibility(writer: Any, reader: Any, keys: npt.NDArray[np.float16], trials: int, first_doc: int) -> float:
+def visibility(
+    writer: Any, reader: Any, keys: npt.NDArray[np.float16], trials: int, first_doc: int
+) -> float:
     """Median seconds from a document's append returning to its first key being found by
     another handle (polled every 10 ms)."""
     lat = []
     for t in range(trials):
         k = keys[t * 50 : t * 50 + 50]
-        ids = writer.append(k, np.zeros(len(k)), np.full(len(k), first_doc + t), np.arange(len(k)), np.zeros(len(k)))
+        ids = writer.append(
+            k, np.zeros(len(k)), np.full(len(k), first_doc + t), np.arange(len(k)), np.zeros(len(k))
+        )
         t0 = time.perf_counter()
         while True:
             reader.refresh()
@@ -130,7 +160,14 @@ def visibility(writer: Any, reader: Any, keys: npt.NDArray[np.float16], trials: 
     return statistics.median(lat)
 
 
-def bench_backend(name: str, open_pair: Any, store: npt.NDArray[np.float16], q: npt.NDArray[np.float32], truth: npt.NDArray[np.int64], args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_backend(
+    name: str,
+    open_pair: Any,
+    store: npt.NDArray[np.float16],
+    q: npt.NDArray[np.float32],
+    truth: npt.NDArray[np.int64],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
     writer, reader = open_pair()
     rows = []
     n = len(store)
@@ -150,8 +187,19 @@ def bench_backend(name: str, open_pair: Any, store: npt.NDArray[np.float16], q: 
     vis = visibility(writer, reader, q, args.visibility_trials, first_doc=10_000_000)
     for t in range(args.visibility_trials):  # the probes leave the memory
         writer.delete_document(10_000_000 + t)
-    base = {"backend": name, "N": n, "insert entries/s": n / insert_s, "visible after ms": 1000 * vis}
-    rows.append({**base, "index": "fresh (unbuilt)", **search_rows(reader, q, args.k, truth, to_row, args.single)})
+    base = {
+        "backend": name,
+        "N": n,
+        "insert entries/s": n / insert_s,
+        "visible after ms": 1000 * vis,
+    }
+    rows.append(
+        {
+            **base,
+            "index": "fresh (unbuilt)",
+            **search_rows(reader, q, args.k, truth, to_row, args.single),
+        }
+    )
     t0 = time.perf_counter()
     info = writer.build(None)
     build_s = time.perf_counter() - t0
@@ -160,27 +208,46 @@ def bench_backend(name: str, open_pair: Any, store: npt.NDArray[np.float16], q: 
         reader.index.reload()
     params = getattr(writer, "params", None) or IndexParams(**info["params"])
     label = "FLAT" if params.kind == "flat" else f"IVF_PQ {params.nlist}/{params.m}/{params.nprobe}"
-    rows.append({**base, "index": f"{label}, build {build_s:.0f} s", **search_rows(reader, q, args.k, truth, to_row, args.single)})
+    rows.append(
+        {
+            **base,
+            "index": f"{label}, build {build_s:.0f} s",
+            **search_rows(reader, q, args.k, truth, to_row, args.single),
+        }
+    )
     if name == "milvus" and params.kind == "ivfpq":
         reader.url = MilvusURL(**{**reader.url.__dict__, "rerank": True})
-        rows.append({**base, "index": f"{label} + exact re-rank (x{params.rerank_factor})", **search_rows(reader, q, args.k, truth, to_row, args.single)})
+        rows.append(
+            {
+                **base,
+                "index": f"{label} + exact re-rank (x{params.rerank_factor})",
+                **search_rows(reader, q, args.k, truth, to_row, args.single),
+            }
+        )
         reader.url = MilvusURL(**{**reader.url.__dict__, "rerank": False})
     return rows, writer, reader
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = list(dict.fromkeys(c for r in rows for c in r))
+
     def f(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3f}" if v < 1 else f"{v:.1f}" if v < 100 else f"{v:,.0f}"
         return str(v)
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if c not in ("backend", "index") else "---" for c in cols) + "|"]
+
+    out = [
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---:" if c not in ("backend", "index") else "---" for c in cols) + "|",
+    ]
     out += ["| " + " | ".join(f(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--keys-npz", type=Path, required=True)
     ap.add_argument("--sizes", default="100000")
     ap.add_argument("--queries", type=int, default=256)
@@ -188,14 +255,21 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=50, help="batch-1 searches timed")
     ap.add_argument("--visibility-trials", type=int, default=10)
     ap.add_argument("--stretch-noise", type=float, default=0.1)
-    ap.add_argument("--milvus", default=None, help="host:port of a running server (default: embedded)")
+    ap.add_argument(
+        "--milvus", default=None, help="host:port of a running server (default: embedded)"
+    )
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--predict", action="store_true", help="also time Engine.predict against the bare forward")
+    ap.add_argument(
+        "--predict", action="store_true", help="also time Engine.predict against the bare forward"
+    )
     ap.add_argument("--predict-rounds", type=int, default=40)
     args = ap.parse_args()
     faiss.omp_set_num_threads(int(os.environ.get("MEMLM_THREADS", "1")))
     real, q = real_keys(args.keys_npz, args.queries)
-    print(f"# {len(real)} real SmolLM2 keys, {len(q)} held-out queries; load average {load_average()}", flush=True)
+    print(
+        f"# {len(real)} real SmolLM2 keys, {len(q)} held-out queries; load average {load_average()}",
+        flush=True,
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-mem-", dir=args.workdir))
     server = None
     if args.milvus:
@@ -204,6 +278,7 @@ def main() -> None:
         server = start_embedded(work / "milvus")
         host, port = server.host, str(server.port)
         print(f"# embedded Milvus started in {server.start_seconds:.1f} s", flush=True)
+    dim = real.shape[1]
     all_rows = []
     try:
         for n in [int(s) for s in args.sizes.split(",")]:
@@ -212,7 +287,6 @@ def main() -> None:
             exact.add(store.astype(np.float32))
             _, truth = exact.search(q, args.k)
             del exact
-            dim = store.shape[1]
 
             def faiss_pair(n: int = n) -> tuple[Any, Any]:
                 w = open_faiss(work / f"faiss-{n}", dim, shared=True)

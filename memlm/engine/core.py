@@ -18,14 +18,15 @@ from memlm.encoder import Encoder, TokenOutputs, WindowConfig
 from memlm.engine.errors import EngineInputError
 from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.index import MemoryIndex
-from memlm.memory import MemoryBackend, open_milvus, parse_memory_url
-from memlm.memory.faiss_backend import FaissMemory
-from memlm.memory.url import MilvusURL
 from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams
 from memlm.locks import FileLock, LockBusy
+from memlm.memory import MemoryBackend, open_milvus, parse_memory_url
+from memlm.memory.faiss_backend import FaissMemory
+from memlm.memory.url import MilvusURL
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.words import WordConfig
+
 
 class FaissOnly:
     """Stands for the datastore or the index files when the memory is Milvus: any use is a

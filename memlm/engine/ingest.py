@@ -145,9 +145,7 @@ class IngestMixin(EngineCore):
             },
         )
 
-    def _store_milvus(
-        self, prep: PreparedDocument, n: int, crash_at: str | None
-    ) -> IngestResult:
+    def _store_milvus(self, prep: PreparedDocument, n: int, crash_at: str | None) -> IngestResult:
         """Write the document's entries to Milvus (replacing any of an earlier try: the ids
         are deterministic); no local id range exists, so the result names none."""
         out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
