@@ -142,8 +142,11 @@ def visibility(
     """Median seconds from a document's append returning to its first key being found by
     another handle (polled every 10 ms)."""
     lat = []
+    rng = np.random.default_rng(7)
+    scale = float(np.abs(keys).max()) * 10
     for t in range(trials):
-        k = keys[t * 50 : t * 50 + 50]
+        # far from every stored key, so its own entry is its only possible top-1
+        k = (rng.standard_normal((50, keys.shape[1])) * scale).astype(np.float16)
         ids = writer.append(
             k, np.zeros(len(k)), np.full(len(k), first_doc + t), np.arange(len(k)), np.zeros(len(k))
         )
