@@ -1,14 +1,18 @@
 """The real Milvus server of the tests: ``milvus==2.3.5`` from PyPI, started once per session.
 
+One embedded server per machine: its etcd peer port (2380) is fixed, so a second one
+crashes; ``MEMLM_TEST_MILVUS=host:port`` makes the tests use a running server instead.
 Where it cannot start, every test that asks for it is skipped with the reason (shown by
 ``-ra`` in the summary and printed to stderr), never silently.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,12 @@ from memlm.memory.embedded import EmbeddedMilvus, MilvusUnavailable, start_embed
 
 @pytest.fixture(scope="session")
 def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMilvus]:
+    given = os.environ.get("MEMLM_TEST_MILVUS")  # host:port of a server already running
+    if given:
+        host, _, port = given.rpartition(":")
+        print(f"\n[milvus] tests use the server at {given}", file=sys.stderr)
+        yield EmbeddedMilvus(None, host or "127.0.0.1", int(port), Path("."), 0.0)
+        return
     try:
         server = start_embedded(tmp_path_factory.mktemp("milvus"))
     except MilvusUnavailable as exc:

@@ -32,21 +32,13 @@ def _fill(tmp_path: Path, url: str, n_docs: int, per_doc: int, seed: int):
     rng = np.random.default_rng(seed)
     fa = open_faiss(tmp_path / "faiss", DIM)
     mi = open_milvus(url, DIM)
-    keys, pairs = [], []
-    for entry in _docs(rng, n_docs, per_doc):
-        ids_f = fa.append(*entry)
-        ids_m = mi.append(*entry)
-        keys.append(entry[0])
-        pairs.append((ids_f, ids_m))
+    # all documents in one call each (a Milvus call per document costs a delete round trip)
+    cols = [np.concatenate(c) for c in zip(*_docs(rng, n_docs, per_doc), strict=True)]
+    ids_f = fa.append(*cols)
+    ids_m = mi.append(*cols)
     # faiss id -> milvus id, to compare neighbour lists entry by entry
-    f2m = dict(
-        zip(
-            np.concatenate([p[0] for p in pairs]).tolist(),
-            np.concatenate([p[1] for p in pairs]).tolist(),
-            strict=True,
-        )
-    )
-    return fa, mi, np.concatenate(keys), f2m, rng
+    f2m = dict(zip(ids_f.tolist(), ids_m.tolist(), strict=True))
+    return fa, mi, cols[0], f2m, rng
 
 
 def test_exact_index_same_neighbours(tmp_path: Path, milvus_url: str) -> None:

@@ -55,6 +55,8 @@ class EmbeddedMilvus:
         return 0
 
     def stop(self) -> None:
+        if self.server is None:  # a server this process did not start
+            return
         proc = getattr(self.server, "server_proc", None)
         if proc is not None:
             proc.terminate()
