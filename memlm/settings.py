@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path("memlm-data")
     # None means the embedded default: sqlite:///<data_dir>/memlm.sqlite
     database_url: str | None = None
+    # The vector memory: unset or "faiss" = the embedded files under data_dir;
+    # milvus://host:port/collection = a Milvus server (memlm.memory.url; docs/service.md).
+    memory_url: str | None = None
 
     # --- model and memory -----------------------------------------------------------------
     model: str = "smollm2-135m"
@@ -164,6 +167,14 @@ class Settings(BaseSettings):
     def _supported_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql+psycopg:// URL")
+        return v
+
+    @field_validator("memory_url")
+    @classmethod
+    def _supported_memory_url(cls, v: str | None) -> str | None:
+        from memlm.memory.url import parse_memory_url
+
+        parse_memory_url(v)  # raises ValueError naming what is wrong
         return v
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ class Engine(
         tune_min_tokens: int = MIN_TUNE_TOKENS,
         precision: str = "float32",
         device: str = "cpu",
+        memory_url: str | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -74,4 +75,5 @@ class Engine(
             shared=shared,
             grid=grid,
             tune_min_tokens=tune_min_tokens,
+            memory_url=memory_url,
         )
