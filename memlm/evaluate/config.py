@@ -6,6 +6,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from memlm.encoder import WindowConfig
+from memlm.evaluate.bootstrap import RESAMPLES
+from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
 from memlm.evaluate.run import TrimeSpec
 from memlm.interpolation import TuneGrid
 from memlm.knnlm import KnnParams
@@ -43,6 +45,17 @@ class EvalConfig:
     keep_stores: bool = False
     lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
     gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
+    # No leakage (memlm.evaluate.dedup): drop duplicates from the stream, keep held-out
+    # documents that overlap the memory out of dev and test; --no-dedup keeps the old plans
+    dedup: bool = True
+    near_dup_threshold: float = NEAR_THRESHOLD
+    eval_overlap_threshold: float = EVAL_THRESHOLD
+    resume: bool = False  # go on from each policy's last checkpointed day
+    # month-end re-scores of every test set (learning and forgetting), for these policies
+    forgetting_policies: tuple[str, ...] = ("fullmem", "monim")
+    names: bool = True  # name-token accuracy and perplexity (memlm.evaluate.names)
+    bootstrap_resamples: int = RESAMPLES
+    crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 
 

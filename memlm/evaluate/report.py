@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from memlm.evaluate.bootstrap import ci, win_share
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.markdown import extra_plots, sections
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
 from memlm.evaluate.run import PolicyRun
 from memlm.interpolation import ppl, token_logprobs, tune
@@ -28,6 +30,9 @@ def build_report(
     results: dict[str, Any] = {}
     per_day: dict[str, list[dict[str, Any]]] = {}
     test_months = np.array([plans_day_month(d) for d in runs["bare"].test["day"]])
+    test_lps: dict[str, np.ndarray] = {}
+    constant_lps: dict[str, np.ndarray] = {}
+    doc_keys = _doc_keys(runs["bare"].test)
     for name, run in runs.items():
         tau = _apply_trime(run, cfg) if cfg.trime is not None else None
         if name == "bare":
@@ -38,9 +43,12 @@ def build_report(
             test_lp = token_logprobs(run.test, params)
             if cfg.lambda_mode == "calibrated":
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
+        test_lps[name] = test_lp
+        constant_lps[name] = token_logprobs(run.test, params) if name != "bare" else test_lp
         results[name] = {
             **(calibrated if name != "bare" and cfg.lambda_mode == "calibrated" else {}),
             "test_ppl": ppl(test_lp),
+            "test_ppl_ci95": _ci(test_lp, doc_keys, cfg),
             "dev_ppl": dev_ppl,
             "memrate": run.memrate,
             "entries": run.entries,
@@ -69,12 +77,24 @@ def build_report(
                     "stored": ds_.tokens_stored,
                     "entries": ds_.entries,
                     "memrate_cumulative": cum_stored / cum_seen if cum_seen else 0.0,
+                    "memrate_day": ds_.tokens_stored / ds_.tokens_seen if ds_.tokens_seen else 0.0,
                     "test_ppl_so_far": ppl(sofar),
                     "seconds": round(ds_.seconds, 2),
                     "ingest_knn": ds_.ingest or None,
                 }
             )
         per_day[name] = rows
+    for name, r in results.items():
+        if cfg.lambda_mode == "calibrated" and name != "bare":
+            r["constant_lambda_test_ppl_ci95"] = _ci(constant_lps[name], doc_keys, cfg)
+        r["bytes"] = _memory_bytes(r["entries"], cache)
+        r["win_share"] = {
+            other: win_share(
+                test_lps[name], test_lps[other], doc_keys, resamples=cfg.bootstrap_resamples
+            )
+            for other in ("fullmem", "randmem")
+            if other in test_lps and other != name
+        }
     return {
         "settings": {
             "model": cfg.model,
@@ -108,11 +128,29 @@ def build_report(
             "trime": None if cfg.trime is None else asdict(cfg.trime),
             "gate_theta": cfg.gate_theta if cfg.lambda_mode == "calibrated" else None,
             "seconds": round(seconds, 1),
+            "bootstrap": f"{cfg.bootstrap_resamples} resamples of test documents, seed 0",
             "encoded_tokens_this_run": cache.encoded_tokens,
         },
         "results": results,
         "per_day": per_day,
     }
+
+
+def _doc_keys(split: dict[str, np.ndarray]) -> np.ndarray:
+    """One key per held-out document: (day number, index of the document that day)."""
+    return split["day"].astype(np.int64) * 100_000 + split["doc"]
+
+
+def _ci(lp: np.ndarray, keys: np.ndarray, cfg: EvalConfig) -> list[float] | None:
+    if not lp.size:
+        return None
+    lo, hi = ci(lp, keys, resamples=cfg.bootstrap_resamples)
+    return [lo, hi]
+
+
+def _memory_bytes(entries: int, cache: TokenCache) -> int:
+    """Bytes of the datastore's entries: float16 key, int32 value, provenance (doc, pos, day)."""
+    return entries * (2 * cache.encoder.dim + 4 + 8 + 4 + 4)
 
 
 def _apply_trime(run: PolicyRun, cfg: EvalConfig) -> float:
@@ -155,6 +193,15 @@ def plans_day_month(day_num: int) -> str:
     return f"{d.year:04d}-{d.month:02d}"
 
 
+def _with_ci(p: float, ci_: list[float] | None) -> str:
+    return f"{p:.2f}" if not ci_ else f"{p:.2f} ({ci_[0]:.2f}-{ci_[1]:.2f})"
+
+
+def _share(r: dict[str, Any], other: str) -> str:
+    w = r.get("win_share", {}).get(other)
+    return "-" if w is None else f"{w:.0%}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     sl = s["slice"]
@@ -172,14 +219,24 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "| policy | test ppl | dev ppl | MemRate | entries | tokens seen | lambda | T | k |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | test ppl (95% CI) | dev ppl | MemRate | entries | datastore MB | tokens seen "
+        "| lambda | T | k | wins vs FullMem | wins vs RandMem |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in report["results"].items():
         lines.append(
-            f"| {name} | {r['test_ppl']:.2f} | {r['dev_ppl']:.2f} | {r['memrate']:.1%} | {r['entries']} "
-            f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature'] or '-'} | {r['k'] or '-'} |"
+            f"| {name} | {_with_ci(r['test_ppl'], r.get('test_ppl_ci95'))} | {r['dev_ppl']:.2f} "
+            f"| {r['memrate']:.1%} | {r['entries']} | {r.get('bytes', 0) / 1e6:.1f} "
+            f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature'] or '-'} | {r['k'] or '-'} "
+            f"| {_share(r, 'fullmem')} | {_share(r, 'randmem')} |"
         )
+    if s.get("lambda_mode") == "calibrated":
+        lines += ["", "Constant lambda (tuned on dev) for the same policies:", ""]
+        lines += ["| policy | test ppl (95% CI) |", "|---|---:|"]
+        for name, r in report["results"].items():
+            if "constant_lambda_test_ppl" in r:
+                ci_ = r.get("constant_lambda_test_ppl_ci95")
+                lines.append(f"| {name} | {_with_ci(r['constant_lambda_test_ppl'], ci_)} |")
     if s.get("trime"):
         t = s["trime"]
         memory = "local" + (
@@ -194,6 +251,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for name, r in report["results"].items():
             cells = [f"{r['test_ppl_per_month'].get(m, float('nan')):.2f}" for m in months]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += sections(report)
     lines += ["", f"Total time {s['seconds']} s."]
     return "\n".join(lines) + "\n"
 
@@ -210,8 +268,16 @@ def plots(report: dict[str, Any], out: Path) -> None:
         ("memrate.png", "cumulative MemRate", lambda r: r["memrate_cumulative"], policies),
         ("memory_growth.png", "entries in memory", lambda r: r["entries"], policies),
         ("perplexity.png", "test perplexity so far", lambda r: r["test_ppl_so_far"], list(per_day)),
+        (
+            "memrate_daily.png",
+            "MemRate of the day",
+            lambda r: r.get("memrate_day", 0.0),
+            [p for p in ("monim", "monim-amt") if p in per_day],
+        ),
     ]
     for fname, ylabel, fn, names in specs:
+        if not names:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4))
         for name in names:
             rows = per_day[name]
@@ -225,3 +291,4 @@ def plots(report: dict[str, Any], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
+    extra_plots(report, out)

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from memlm.datastore import Datastore
 from memlm.encoder import TokenOutputs, WindowConfig
+from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
+from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
+from memlm.evaluate.forgetting import Rescore
 from memlm.evaluate.plan import DayPlan, day_number
-from memlm.index import IndexParams, MemoryIndex, build_index
+from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
+from memlm.index import IndexParams, MemoryIndex, build_index, prune
 from memlm.interpolation import (
     MIN_TUNE_TOKENS,
     SERVED_DEFAULT,
@@ -26,91 +30,6 @@ from memlm.interpolation import (
 from memlm.knnlm import KnnParams
 from memlm.lexical import LexicalStats
 from memlm.policy import Policy, TokenScores, token_scores
-
-
-@dataclass
-class EvalTokens:
-    """Search results of held-out tokens, kept for tuning; rows are tokens."""
-
-    target_lm_logprob: list[np.ndarray] = field(default_factory=list)
-    distances: list[np.ndarray] = field(default_factory=list)  # (n, k_max) float32
-    values: list[np.ndarray] = field(default_factory=list)  # (n, k_max) int32, -1 padding
-    day: list[np.ndarray] = field(default_factory=list)  # (n,) int32 day number
-    doc: list[np.ndarray] = field(default_factory=list)  # (n,) int32 index of the doc in the plan
-    gold: list[np.ndarray] = field(default_factory=list)  # (n,) int64 gold token
-    # calibrator features known before the search
-    top_logprob: list[np.ndarray] = field(default_factory=list)  # (n,) max log p_LM
-    entropy: list[np.ndarray] = field(default_factory=list)  # (n,) entropy of p_LM
-    lexical: list[np.ndarray] = field(default_factory=list)  # (n, 2) LexicalStats.features
-    # TRIME Eq. 6 log p(gold) with local/long-term memory, one column per tau (optional)
-    trime: list[np.ndarray] = field(default_factory=list)  # (n, len(taus)) float64
-
-    def add(
-        self,
-        o: TokenOutputs,
-        dist: np.ndarray,
-        vals: np.ndarray,
-        day: int,
-        doc: int,
-        lexical: np.ndarray,
-        trime: np.ndarray | None = None,
-    ) -> None:
-        self.target_lm_logprob.append(o.target_logprob.astype(np.float64))
-        self.distances.append(dist)
-        self.values.append(vals)
-        self.day.append(np.full(len(o), day, np.int32))
-        self.doc.append(np.full(len(o), doc, np.int32))
-        self.gold.append(o.targets)
-        self.top_logprob.append(o.top_logprob)
-        self.entropy.append(o.entropy)
-        self.lexical.append(lexical)
-        if trime is not None:
-            self.trime.append(trime)
-
-    def arrays(self, k_max: int) -> dict[str, np.ndarray]:
-        if not self.target_lm_logprob:
-            return {
-                "target_lm_logprob": np.zeros(0),
-                "distances": np.zeros((0, k_max), np.float32),
-                "values": np.zeros((0, k_max), np.int32),
-                "day": np.zeros(0, np.int32),
-                "doc": np.zeros(0, np.int32),
-                "gold": np.zeros(0, np.int64),
-                "top_logprob": np.zeros(0, np.float32),
-                "entropy": np.zeros(0, np.float32),
-                "lexical": np.zeros((0, 2), np.float32),
-                "trime": np.zeros((0, 0)),
-            }
-        out = {
-            f.name: np.concatenate(getattr(self, f.name)) for f in fields(self) if f.name != "trime"
-        }
-        out["trime"] = np.concatenate(self.trime) if self.trime else np.zeros((0, 0))
-        return out
-
-
-@dataclass
-class DayStats:
-    day: str
-    tokens_seen: int
-    tokens_stored: int
-    entries: int
-    seconds: float
-    ingest: dict[str, Any] = field(default_factory=dict)  # the interpolation MoNIM asked
-
-
-@dataclass
-class PolicyRun:
-    name: str
-    days: list[DayStats]
-    dev: dict[str, np.ndarray]
-    test: dict[str, np.ndarray]
-    entries: int
-    tokens_seen: int
-    tokens_stored: int
-
-    @property
-    def memrate(self) -> float:
-        return self.tokens_stored / self.tokens_seen if self.tokens_seen else 0.0
 
 
 @dataclass(frozen=True)
@@ -139,6 +58,21 @@ class TrimeSpec:
         )
 
 
+def _month(d: dt.date) -> str:
+    return f"{d.year:04d}-{d.month:02d}"
+
+
+def _resume(workdir: Path, cache: TokenCache, state: RunState) -> tuple[Datastore, MemoryIndex]:
+    """The datastore cut back to the checkpoint, serving the checkpointed index version."""
+    ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
+    if len(ds) != state.datastore_len:  # entries of the unfinished day
+        ds.truncate(state.datastore_len)
+    index = MemoryIndex(ds, workdir / "index")
+    index.serve(state.index_version)
+    index.refresh()
+    return ds, index
+
+
 def run_policy(
     policy: Policy | None,
     plans: Sequence[DayPlan],
@@ -153,6 +87,9 @@ def run_policy(
     served_grid: TuneGrid = SERVED_GRID,
     served_default: KnnParams = SERVED_DEFAULT,
     served_min_tokens: int = MIN_TUNE_TOKENS,
+    resume: bool = False,
+    rescore: Rescore | None = None,
+    crash_at: int | None = None,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
 
@@ -160,34 +97,51 @@ def run_policy(
     would serve, ``served_default`` until the dev tokens of the days so far (each searched
     against its evening's memory, as the service's held-out tokens are) choose one from
     ``served_grid`` after an evening's build, as the service does at its nightly build.
+
+    Every finished day is checkpointed (memlm.evaluate.checkpoint); ``resume`` goes on
+    from the last one.  ``rescore``: at the end of each month of the plan, every test
+    document of the plan is searched again against the memory of that evening (the
+    learning and forgetting table).  ``crash_at``: raise after that day's checkpoint.
     """
     name = policy.name if policy is not None else "bare"
-    shutil.rmtree(workdir, ignore_errors=True)
-    ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
-    index = MemoryIndex(ds, workdir / "index")
-    dev, test = EvalTokens(), EvalTokens()
-    lexical = LexicalStats(cache.encoder.vocab_size)
-    days: list[DayStats] = []
-    seen = stored = 0
-    doc_no = 0
-    served: dict[str, Any] = {
-        "params": ingest_params or served_default,
-        "source": "fixed" if ingest_params is not None else "default",
-    }
-    for plan in plans:
+    state = checkpoint.load(workdir) if resume else None
+    if state is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        state = RunState(
+            served={
+                "params": ingest_params or served_default,
+                "source": "fixed" if ingest_params is not None else "default",
+            }
+        )
+    dev, test = checkpoint.load_eval(workdir, len(state.days))
+    if state.finished:
+        return PolicyRun(
+            name,
+            state.days,
+            dev.arrays(k_max),
+            test.arrays(k_max),
+            state.days[-1].entries if state.days else 0,
+            state.seen,
+            state.stored,
+        )
+    ds, index = _resume(workdir, cache, state)
+    lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
+    for day_index in range(len(state.days), len(plans)):
+        plan = plans[day_index]
         t0 = time.perf_counter()
         dnum = day_number(plan.day)
         day_seen = day_stored = 0
-        knn: KnnParams = served["params"]
+        knn: KnnParams = state.served["params"]
         asked = {
             "k": knn.k,
             "temperature": knn.temperature,
             "lambda": knn.lmbda,
-            "source": served["source"],
+            "source": state.served["source"],
         }
         outs = cache.get_many([d.text for d in plan.train])
         for o in outs:
-            doc_no += 1
+            state.doc_no += 1
             n = len(o)
             lexical.update(np.concatenate([o.prev_tokens[:1], o.targets]))
             day_seen += n
@@ -204,12 +158,13 @@ def run_policy(
                 ds.append(
                     o.keys[mask].astype(np.float16),
                     o.targets[mask].astype(np.int32),
-                    np.full(int(mask.sum()), doc_no, np.int64),
+                    np.full(int(mask.sum()), state.doc_no, np.int64),
                     o.positions[mask],
                     np.full(int(mask.sum()), dnum, np.int32),
                 )
                 index.refresh()
             day_stored += int(mask.sum())
+        t_build = time.perf_counter()
         if policy is not None and len(ds) > 0:
             params = (
                 IndexParams.exact()
@@ -218,19 +173,29 @@ def run_policy(
             )
             build_index(ds, workdir / "index", params, progress=False)
             index.reload()
+            prune(workdir / "index", keep=2)  # this evening's and the checkpointed one
+        t_search = time.perf_counter()
+        day_dev, day_test = EvalTokens(), EvalTokens()
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
-            target = dev if split == "dev" else test
+            target = day_dev if split == "dev" else day_test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
                 dist, _, vals = index.search_values(o.keys, k_max)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
+        extend(dev, day_dev)
+        extend(test, day_test)
+        last_of_month = day_index + 1 == len(plans) or _month(plans[day_index + 1].day) != _month(
+            plan.day
+        )
+        if rescore is not None and policy is not None and last_of_month:
+            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz")
         if ingest_params is None and policy is not None and policy.needs_augmented:
             choice = choose_constant(
                 dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
             )
-            served = {"params": choice.params, "source": choice.source}
-        seen += day_seen
-        stored += day_stored
+            state.served = {"params": choice.params, "source": choice.source}
+        state.seen += day_seen
+        state.stored += day_stored
         stats = DayStats(
             plan.day.isoformat(),
             day_seen,
@@ -238,8 +203,26 @@ def run_policy(
             ds.num_live,
             time.perf_counter() - t0,
             asked if policy is not None and policy.needs_augmented else {},
+            ingest_seconds=round(t_build - t0, 3),
+            build_seconds=round(t_search - t_build, 3),
+            search_seconds=round(time.perf_counter() - t_search, 3),
         )
-        days.append(stats)
+        state.days.append(stats)
+        state.datastore_len, state.index_version = len(ds), index.version
+        state.finished = day_index + 1 == len(plans)
+        checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
+        lexical.save(workdir / "lexical.npz")
+        checkpoint.save(workdir, state)
         if on_day:
             on_day(stats)
-    return PolicyRun(name, days, dev.arrays(k_max), test.arrays(k_max), ds.num_live, seen, stored)
+        if crash_at == day_index:
+            raise SimulatedInterruption(f"{name}: interrupted after day {day_index}")
+    return PolicyRun(
+        name,
+        state.days,
+        dev.arrays(k_max),
+        test.arrays(k_max),
+        ds.num_live,
+        state.seen,
+        state.stored,
+    )
