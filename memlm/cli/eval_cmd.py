@@ -74,6 +74,21 @@ def eval_command(
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
     ),
+    dev_share: float = typer.Option(0.02, help="share of each day's documents held out as dev"),
+    test_share: float = typer.Option(0.02, help="share of each day's documents held out as test"),
+    dedup: bool = typer.Option(
+        True,
+        help="drop exact and near-duplicate documents; keep held-out documents that overlap "
+        "the memory by more than 5 percent of their 13-grams out of dev and test (--no-dedup: the plans "
+        "of the tables made before it)",
+    ),
+    resume: bool = typer.Option(
+        False, help="go on from each policy's last finished day in OUT/work (nothing re-encodes)"
+    ),
+    forgetting: str = typer.Option(
+        "fullmem,monim", help="policies whose test sets are re-scored at every month's end"
+    ),
+    names: bool = typer.Option(True, help="name-token accuracy and perplexity"),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -124,6 +139,10 @@ def eval_command(
             "--gate-theta must be in [0, 1) and needs --lambda calibrated",
             param_hint="--gate-theta",
         )
+    if not (0.0 < dev_share < 0.5 and 0.0 < test_share < 0.5):
+        raise typer.BadParameter(
+            "--dev-share and --test-share must be in (0, 0.5)", param_hint="--dev-share"
+        )
     try:
         window = WindowConfig(context=context, stride=stride, batch_size=batch_size)
     except ValueError as exc:  # e.g. --stride equal to --context: name the largest legal one
@@ -154,6 +173,12 @@ def eval_command(
         trime=TrimeSpec(long_segments=long_memory) if local_memory or long_memory else None,
         lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
+        dev_share=dev_share,
+        test_share=test_share,
+        dedup=dedup,
+        resume=resume,
+        forgetting_policies=tuple(p.strip() for p in forgetting.split(",") if p.strip()),
+        names=names,
     )
     try:
         report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
