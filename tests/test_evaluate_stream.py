@@ -272,3 +272,37 @@ def test_report_schema(tmp_path, enc, monkeypatch):
         assert piece in md
     for f in ("memrate_daily.png", "forgetting.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
+
+
+# --- the continual fine-tuning baseline ------------------------------------------------------
+
+
+def test_continual_finetuning_learns_the_stream_and_leaves_the_frozen_model_alone(enc):
+    from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
+    from memlm.interpolation import ppl
+
+    rng = np.random.default_rng(2)
+    days = [dt.date(2021, 1, 31), dt.date(2021, 2, 1)]
+    text = _text(rng, 40)  # every document repeats it: fine-tuning must learn it
+    plans = [
+        DayPlan(d, [_doc(f"t{i}", text, d) for i in range(3)], [], [_doc("x", text, d)])
+        for d in days
+    ]
+    window = WindowConfig(context=32, stride=16)
+    before = [p.detach().clone() for p in enc.model.parameters()]
+    bare = ppl(enc.encode_many([enc.tokenize(text)], window)[0].target_logprob.astype(np.float64))
+    out = continual_finetune(enc, plans, window, FinetuneConfig(lr=3e-3), resamples=50)
+    assert out["test_ppl"] < bare / 2
+    assert [d["day"] for d in out["per_day"]] == ["2021-01-31", "2021-02-01"]
+    n = len(enc.tokenize(text))  # windows of 32 tokens, each predicting all but its first
+    per_doc = sum(min(32, n - s) - 1 for s in range(0, n - 1, 32))
+    assert all(d["cpu_seconds"] > 0 and d["train_tokens"] == 3 * per_doc for d in out["per_day"])
+    assert list(out["forgetting"]) == ["2021-01", "2021-02"]
+    # the month's end is the last day: the same model scores the same document
+    assert out["forgetting"]["2021-02"]["2021-02"] == pytest.approx(out["per_day"][1]["test_ppl"])
+    assert out["forgetting"]["2021-01"]["2021-01"] == pytest.approx(out["per_day"][0]["test_ppl"])
+    assert all(torch_equal(a, b) for a, b in zip(before, enc.model.parameters(), strict=True))
+
+
+def torch_equal(a, b):
+    return bool((a == b).all())

@@ -89,6 +89,11 @@ def eval_command(
         "fullmem,monim", help="policies whose test sets are re-scored at every month's end"
     ),
     names: bool = typer.Option(True, help="name-token accuracy and perplexity"),
+    finetune_lr: float | None = typer.Option(
+        None,
+        help="also run the continual fine-tuning baseline (full weights, one epoch a day, "
+        "AdamW at this learning rate, e.g. 1e-5); slow: about 3 forward passes per token",
+    ),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -139,6 +144,8 @@ def eval_command(
             "--gate-theta must be in [0, 1) and needs --lambda calibrated",
             param_hint="--gate-theta",
         )
+    if finetune_lr is not None and not 0.0 < finetune_lr < 1.0:
+        raise typer.BadParameter("--finetune-lr must be in (0, 1)", param_hint="--finetune-lr")
     if not (0.0 < dev_share < 0.5 and 0.0 < test_share < 0.5):
         raise typer.BadParameter(
             "--dev-share and --test-share must be in (0, 0.5)", param_hint="--dev-share"
@@ -179,6 +186,7 @@ def eval_command(
         resume=resume,
         forgetting_policies=tuple(p.strip() for p in forgetting.split(",") if p.strip()),
         names=names,
+        finetune_lr=finetune_lr,
     )
     try:
         report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)

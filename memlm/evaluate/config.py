@@ -55,6 +55,7 @@ class EvalConfig:
     forgetting_policies: tuple[str, ...] = ("fullmem", "monim")
     names: bool = True  # name-token accuracy and perplexity (memlm.evaluate.names)
     bootstrap_resamples: int = RESAMPLES
+    finetune_lr: float | None = None  # continual fine-tuning baseline at this LR; None: off
     crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 

@@ -18,6 +18,7 @@ from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
 from memlm.evaluate.extras import add_forgetting, name_tokens, timing
+from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
 from memlm.evaluate.forgetting import Rescore
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
@@ -169,6 +170,15 @@ def evaluate(
     add_forgetting(report, runs, workroot, grid)
     if cfg.names:
         report["names"] = name_tokens(cfg, plans, runs, report, cache)
+    if cfg.finetune_lr is not None:  # the parametric continual-learning baseline
+        report["finetune"] = continual_finetune(
+            encoder,
+            plans,
+            cfg.window,
+            FinetuneConfig(lr=cfg.finetune_lr, seed=cfg.seed),
+            resamples=cfg.bootstrap_resamples,
+        )
+        echo(f"finetune   test ppl {report['finetune']['test_ppl']:.2f}")
     report["timing"] = timing(runs, seconds, cache, time.perf_counter() - t_report)
     report["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))

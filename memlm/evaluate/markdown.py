@@ -51,6 +51,23 @@ def sections(report: dict[str, Any]) -> list[str]:
             n = next(iter(row.values()))["tokens"]
             cells = [f"{_fmt(row[s]['top1'], '.1%')} / {_fmt(row[s]['ppl'])}" for s in systems]
             lines.append(f"| {subset} | {n} | " + " | ".join(cells) + " |")
+    ft = report.get("finetune")
+    if ft:
+        st = ft["settings"]
+        ci_ = ft["test_ppl_ci95"]
+        lines += [
+            "",
+            f"Continual fine-tuning baseline ({st['weights']} weights, {st['optimizer']} lr "
+            f"{st['lr']:g}, {st['epochs']} epoch a day over the ingested documents): test ppl "
+            f"{ft['test_ppl']:.2f}" + (f" ({ci_[0]:.2f}-{ci_[1]:.2f})" if ci_ else "") + ", "
+            f"{ft['cpu_seconds_per_day']} CPU-seconds of training a day.",
+        ]
+        if ft["forgetting"]:
+            months = sorted({m for row in ft["forgetting"].values() for m in row})
+            lines += ["", "| model at end of | " + " | ".join(months) + " |"]
+            lines.append("|---|" + "---:|" * len(months))
+            for end, row in ft["forgetting"].items():
+                lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
     t = report.get("timing")
     if t:
         e = t["encode"]
