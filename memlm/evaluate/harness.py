@@ -17,9 +17,10 @@ from memlm.encoder import Encoder
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
-from memlm.evaluate.extras import add_forgetting, name_tokens, timing
+from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
 from memlm.evaluate.forgetting import Rescore
+from memlm.evaluate.ood import load_ood
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
 from memlm.evaluate.run import PolicyRun, run_policy
@@ -106,8 +107,12 @@ def evaluate(
         f"{len(plans)} days, {n_train} ingested documents, "
         f"{sum(len(p.dev) for p in plans)} dev / {sum(len(p.test) for p in plans)} test documents"
     )
+    ood = None
+    if cfg.ood_dir is not None and plans:
+        ood = load_ood(Path(cfg.ood_dir), encoder, cfg.ood_tokens, plans[-1].day)
     # Encode everything once (cached across runs), with a progress bar.
     all_texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
+    all_texts += [d.text for docs in (ood or {}).values() for d in docs]
     lengths = dict(zip(all_texts, map(len, cache.get_many(all_texts, progress=True)), strict=True))
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
@@ -151,6 +156,7 @@ def evaluate(
             resume=cfg.resume,
             rescore=rescore if name in cfg.forgetting_policies else None,
             crash_at=cfg.crash_at[1] if cfg.crash_at and cfg.crash_at[0] == name else None,
+            ood=ood,
         )
         runs[name] = run
         seconds[name] = time.perf_counter() - t0
@@ -168,6 +174,8 @@ def evaluate(
     report = build_report(cfg, plans, runs, time.perf_counter() - t_start, cache)
     report["leakage"] = leakage
     add_forgetting(report, runs, workroot, grid)
+    if ood:
+        report["ood"] = ood_table(cfg, runs, report)
     if cfg.names:
         report["names"] = name_tokens(cfg, plans, runs, report, cache)
     if cfg.finetune_lr is not None:  # the parametric continual-learning baseline

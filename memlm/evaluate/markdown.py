@@ -36,6 +36,25 @@ def sections(report: dict[str, Any]) -> list[str]:
             lines.append("|---|" + "---:|" * len(months))
             for end, row in table.items():
                 lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
+    ood = report.get("ood")
+    if ood:
+        lines += [
+            "",
+            "Out of domain after the whole stream (memory of the last evening):",
+            "",
+            "| policy | corpus | bare ppl | constant lambda | calibrated |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for name, row in ood.items():
+            if name == "bare":
+                continue
+            for corpus, r in row.items():
+                cal = r.get("ppl_calibrated")
+                cal_s = "-" if cal is None else f"{cal:.2f} ({r['calibrated_vs_bare']:+.2%})"
+                lines.append(
+                    f"| {name} | {corpus} | {r['bare']:.2f} "
+                    f"| {r['ppl_constant']:.2f} ({r['constant_vs_bare']:+.2%}) | {cal_s} |"
+                )
     names = report.get("names")
     if names:
         subsets = names["subsets"]

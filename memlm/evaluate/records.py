@@ -93,6 +93,7 @@ class PolicyRun:
     entries: int
     tokens_seen: int
     tokens_stored: int
+    ood: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # corpus -> arrays
 
     @property
     def memrate(self) -> float:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import datetime as dt
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from memlm.corpus import Document
 from memlm.datastore import Datastore
 from memlm.encoder import TokenOutputs, WindowConfig
 from memlm.evaluate import checkpoint
@@ -90,6 +91,7 @@ def run_policy(
     resume: bool = False,
     rescore: Rescore | None = None,
     crash_at: int | None = None,
+    ood: Mapping[str, Sequence[Document]] | None = None,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
 
@@ -102,6 +104,7 @@ def run_policy(
     from the last one.  ``rescore``: at the end of each month of the plan, every test
     document of the plan is searched again against the memory of that evening (the
     learning and forgetting table).  ``crash_at``: raise after that day's checkpoint.
+    ``ood``: out-of-domain documents searched against the memory after the last day.
     """
     name = policy.name if policy is not None else "bare"
     state = checkpoint.load(workdir) if resume else None
@@ -124,6 +127,7 @@ def run_policy(
             state.days[-1].entries if state.days else 0,
             state.seen,
             state.stored,
+            ood=_load_ood(workdir, ood),
         )
     ds, index = _resume(workdir, cache, state)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
@@ -210,6 +214,8 @@ def run_policy(
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version
         state.finished = day_index + 1 == len(plans)
+        if state.finished and ood:
+            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir)
         checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
         lexical.save(workdir / "lexical.npz")
         checkpoint.save(workdir, state)
@@ -225,4 +231,31 @@ def run_policy(
         ds.num_live,
         state.seen,
         state.stored,
+        ood=_load_ood(workdir, ood),
     )
+
+
+def _search_ood(
+    ood: Mapping[str, Sequence[Document]],
+    index: MemoryIndex,
+    cache: TokenCache,
+    lexical: LexicalStats,
+    last_day: int,
+    k_max: int,
+    workdir: Path,
+) -> None:
+    """Search each out-of-domain corpus against the final memory (one day after the stream)."""
+    for i, (name, docs) in enumerate(ood.items()):
+        part = EvalTokens()
+        for j, o in enumerate(cache.get_many([d.text for d in docs])):
+            dist, _, vals = index.search_values(o.keys, k_max)
+            part.add(o, dist, vals, last_day + 1 + i, j, lexical.features(o.prev_tokens))
+        checkpoint.save_arrays(workdir / "eval" / f"ood-{name}.npz", part.arrays(k_max))
+
+
+def _load_ood(
+    workdir: Path, ood: Mapping[str, Sequence[Document]] | None
+) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        name: checkpoint.load_arrays(workdir / "eval" / f"ood-{name}.npz") for name in ood or {}
+    }
