@@ -14,6 +14,7 @@ from memlm.evaluate import DayPlan, EvalConfig, TuneGrid, evaluate
 from memlm.evaluate.bootstrap import ci, doc_sums, resampled_ppl, win_share
 from memlm.evaluate.checkpoint import SimulatedInterruption
 from memlm.evaluate.dedup import dedup_stream, ngrams, screen_held_out, text_hash
+from memlm.evaluate.harness import ResumeMismatch
 from memlm.evaluate.names import name_words, pieces_of
 
 DAY = dt.date(2021, 3, 1)
@@ -224,6 +225,8 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
     # the next day had begun: entries appended after the checkpoint are cut on resume
     with Datastore.open(out / "work" / "monim" / "datastore", dim=enc.dim) as ds:
         ds.append(np.ones((5, enc.dim), np.float16), np.arange(5), 99, np.arange(5), 0)
+    with pytest.raises(ResumeMismatch, match="other delta"):
+        evaluate(_cfg(resume=True, delta=-2.0), docs, out, encoder=enc, echo=str)
     resumed = evaluate(_cfg(resume=True), docs, out, encoder=enc, echo=str)
     assert resumed["settings"]["encoded_tokens_this_run"] == 0  # nothing re-encoded
     assert _numbers(resumed) == _numbers(whole)

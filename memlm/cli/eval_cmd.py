@@ -109,6 +109,7 @@ def eval_command(
     from memlm.corpus import load_corpus
     from memlm.encoder import WindowConfig
     from memlm.evaluate import EvalConfig, SplitError, TrimeSpec, evaluate
+    from memlm.evaluate.harness import ResumeMismatch
     from memlm.evaluate.ood import OodError
     from memlm.knnlm import KnnParams
 
@@ -201,6 +202,8 @@ def eval_command(
         report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
+    except ResumeMismatch as exc:
+        raise typer.BadParameter(str(exc), param_hint="--resume") from exc
     except OodError as exc:
         raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
     from memlm.evaluate import render_markdown

@@ -82,6 +82,25 @@ def _policy(name: str, cfg: EvalConfig, runs: dict[str, PolicyRun]) -> Policy | 
     return make_policy(name, delta=cfg.kl_delta if name == "monim-kl" else cfg.delta)
 
 
+class ResumeMismatch(ValueError):
+    """--resume into a directory whose run had other settings or another plan."""
+
+
+def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> None:
+    """Record what the run is; a resumed run must be the same run."""
+    skip = {"resume", "crash_at", "keep_stores", "threads"}
+    what = {k: repr(v) for k, v in vars(cfg).items() if k not in skip}
+    what["plan"] = repr(split_of(plans))
+    path = workroot / "run.json"
+    if cfg.resume and path.exists():
+        before = json.loads(path.read_text())
+        diff = sorted(k for k in set(before) | set(what) if before.get(k) != what.get(k))
+        if diff:
+            raise ResumeMismatch(f"--resume: {workroot} holds a run with other {', '.join(diff)}")
+    workroot.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(what, indent=1))
+
+
 def evaluate(
     cfg: EvalConfig,
     docs: Sequence[Document],
@@ -116,6 +135,7 @@ def evaluate(
     lengths = dict(zip(all_texts, map(len, cache.get_many(all_texts, progress=True)), strict=True))
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
+    _check_resume(cfg, plans, out / "work")
     order = [
         p for p in ("fullmem", "monim", "monim-amt", "monim-kl", "randmem") if p in cfg.policies
     ]
