@@ -331,3 +331,42 @@ def test_continual_finetuning_learns_the_stream_and_leaves_the_frozen_model_alon
 
 def torch_equal(a, b):
     return bool((a == b).all())
+
+
+def test_top1_under_the_mixture_matches_the_augmented_scores(enc):
+    from memlm.evaluate.names import top1_correct
+    from memlm.knnlm import KnnParams, augmented_scores
+
+    rng = np.random.default_rng(4)
+    o = enc.encode_many([enc.tokenize(_text(rng, 60))], WindowConfig(context=32, stride=16))[0]
+    n, k = len(o), 16
+    # neighbours: the gold token, the LM's top-1 and a few frequent values, some padding
+    pool = np.concatenate([o.targets, o.top_id, rng.integers(0, 50, 20)])
+    vals = rng.choice(pool, size=(n, k)).astype(np.int64)
+    vals[rng.random((n, k)) < 0.2] = -1
+    vals[:3] = -1  # rows without neighbours: the LM alone
+    dist = np.sort(rng.gamma(2.0, 5.0, (n, k)), axis=1).astype(np.float32)
+    rows = np.arange(n)
+    outcomes = []
+    for params in (
+        KnnParams(k=16, temperature=2.0, lmbda=0.3),
+        KnnParams(k=8, temperature=50.0, lmbda=0.9),
+    ):
+        ids = np.where(vals[:, : params.k] >= 0, 0, -1)
+        lm = enc.logprobs_for(o.hidden, o.lse, np.maximum(vals[:, : params.k], 0))
+        aug = augmented_scores(
+            o.target_logprob,
+            o.top_logprob,
+            o.top_id,
+            o.targets,
+            dist[:, : params.k],
+            ids,
+            vals[:, : params.k],
+            lm,
+            params,
+        )
+        expected = aug.target_logprob >= aug.max_logprob - 1e-9
+        got = top1_correct(enc, o, rows, dist, vals, params)
+        assert got.tolist() == expected.tolist()
+        outcomes += expected.tolist()
+    assert set(outcomes) == {True, False}  # the check saw both answers
