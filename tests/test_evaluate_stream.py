@@ -333,9 +333,9 @@ def torch_equal(a, b):
     return bool((a == b).all())
 
 
-def test_top1_under_the_mixture_matches_the_augmented_scores(enc):
-    from memlm.evaluate.names import top1_correct
-    from memlm.knnlm import KnnParams, augmented_scores
+def test_top1_under_the_mixture_matches_the_full_distribution(enc):
+    from memlm.evaluate.names import TIE, top1_correct
+    from memlm.knnlm import KnnParams, neighbour_log_weights
 
     rng = np.random.default_rng(4)
     o = enc.encode_many([enc.tokenize(_text(rng, 60))], WindowConfig(context=32, stride=16))[0]
@@ -346,27 +346,22 @@ def test_top1_under_the_mixture_matches_the_augmented_scores(enc):
     vals[rng.random((n, k)) < 0.2] = -1
     vals[:3] = -1  # rows without neighbours: the LM alone
     dist = np.sort(rng.gamma(2.0, 5.0, (n, k)), axis=1).astype(np.float32)
-    rows = np.arange(n)
+    p_lm = np.exp(enc.full_logprobs(o.hidden).astype(np.float64))  # (n, V)
     outcomes = []
     for params in (
         KnnParams(k=16, temperature=2.0, lmbda=0.3),
         KnnParams(k=8, temperature=50.0, lmbda=0.9),
     ):
-        ids = np.where(vals[:, : params.k] >= 0, 0, -1)
-        lm = enc.logprobs_for(o.hidden, o.lse, np.maximum(vals[:, : params.k], 0))
-        aug = augmented_scores(
-            o.target_logprob,
-            o.top_logprob,
-            o.top_id,
-            o.targets,
-            dist[:, : params.k],
-            ids,
-            vals[:, : params.k],
-            lm,
-            params,
-        )
-        expected = aug.target_logprob >= aug.max_logprob - 1e-9
-        got = top1_correct(enc, o, rows, dist, vals, params)
+        v = vals[:, : params.k]
+        ids = np.where(v >= 0, 0, -1)
+        w = np.exp(neighbour_log_weights(dist[:, : params.k], ids, params.temperature))
+        p_knn = np.zeros_like(p_lm)
+        for i in range(n):
+            np.add.at(p_knn[i], np.maximum(v[i], 0), w[i])
+        lam = np.where((v >= 0).any(1), params.lmbda, 0.0)[:, None]
+        p = (1 - lam) * p_lm + lam * p_knn
+        expected = p[np.arange(n), o.targets] >= p.max(1) * (1 - TIE)
+        got = top1_correct(enc, o, np.arange(n), dist, vals, params)
         assert got.tolist() == expected.tolist()
         outcomes += expected.tolist()
     assert set(outcomes) == {True, False}  # the check saw both answers

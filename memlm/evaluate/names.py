@@ -23,7 +23,8 @@ _OPENERS = "\"'“‘([«"
 # "Mr. Trump": a full stop after these does not end the sentence
 _ABBREV = {"mr", "mrs", "ms", "dr", "st", "sen", "rep", "gov", "gen", "lt", "col", "prof", "jr"}
 _WORD = re.compile(r"[^\W\d_][\w'’.-]*")
-_CONTEXT = 8  # decoded pieces looked back at to find the previous character
+_CONTEXT = 8
+TIE = 1e-6  # relative: float32 log-probabilities of one token agree to about 1e-7  # decoded pieces looked back at to find the previous character
 
 
 def pieces_of(tokenizer: Any, vocab_size: int) -> list[str]:
@@ -99,12 +100,16 @@ def top1_correct(
     knn_top = (w * (v == top[:, None])).sum(1)
     lam = np.where(has_neighbours(ids), params.lmbda, 0.0)[:, None]
     value_lm = np.exp(encoder.logprobs_for(o.hidden[rows], o.lse[rows], np.maximum(v, 0)))
-    p_slot = np.where(v >= 0, (1 - lam) * value_lm + lam * knn_slot, -np.inf)
     lam1 = lam[:, 0]
     p_top = (1 - lam1) * np.exp(o.top_logprob[rows].astype(np.float64)) + lam1 * knn_top
     p_gold = (1 - lam1) * np.exp(o.target_logprob[rows].astype(np.float64)) + lam1 * knn_gold
+    p_slot = np.where(v >= 0, (1 - lam) * value_lm + lam * knn_slot, -np.inf)
+    # the gold and top-1 slots take the encoder's own log-probabilities: the head product
+    # of logprobs_for differs from them in the last float32 bits, enough to unseat a tie
+    p_slot = np.where(v == gold[:, None], p_gold[:, None], p_slot)
+    p_slot = np.where(v == top[:, None], p_top[:, None], p_slot)
     best = np.maximum(p_top, p_slot.max(1) if k else p_top)
-    return p_gold >= best * (1 - 1e-9)
+    return p_gold >= best * (1 - TIE)
 
 
 def summarise(
