@@ -296,8 +296,9 @@ class FakeEngine:
             math.exp(-sum(trime) / len(trime)) if memory is not None else None,
         )
 
-    def rebuild(self, *, crash_at: str | None = None) -> BuildInfo:
+    def rebuild(self, *, crash_at: str | None = None, retrain: bool = False) -> BuildInfo:
         self.built_version += 1
+        self.retrained = retrain
         n = len(self._live())
         return BuildInfo(self.built_version, n, len(self.entries), {"kind": "flat"})
 

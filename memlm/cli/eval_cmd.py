@@ -100,6 +100,15 @@ def eval_command(
         help="also run the continual fine-tuning baseline (full weights, one epoch a day, "
         "AdamW at this learning rate, e.g. 1e-5); slow: about 3 forward passes per token",
     ),
+    precision: str = typer.Option(
+        "auto",
+        envvar="MEMLM_PRECISION",
+        help="auto (probed once per processor and model, cached), float32, bfloat16, "
+        "float16 (CUDA) or int8 (CPU)",
+    ),
+    device: str = typer.Option(
+        "auto", envvar="MEMLM_DEVICE", help="auto (CUDA when torch sees it), cpu, cuda[:N]"
+    ),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -198,8 +207,15 @@ def eval_command(
         ood_dir=None if ood_dir is None else str(ood_dir),
         ood_tokens=ood_tokens,
     )
+    from memlm.encoder import Encoder, EncoderError
+
     try:
-        report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+        encoder = Encoder.load(model, threads=threads, precision=precision, device=device)
+    except EncoderError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--precision / --device") from exc
+    typer.echo(f"encoder: {model} on {encoder.device} in {encoder.precision}")
+    try:
+        report = evaluate(cfg, load_corpus(corpus), out, encoder=encoder, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
     except ResumeMismatch as exc:

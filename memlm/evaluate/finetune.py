@@ -79,6 +79,9 @@ def continual_finetune(
     resamples: int = 1000,
 ) -> dict[str, Any]:
     """Fine-tune a copy of ``encoder``'s model over the plan; the report section."""
+    if getattr(encoder, "precision", "float32") != "float32":
+        # a bfloat16 or int8 copy of the weights cannot take small float32 updates
+        raise ValueError("the fine-tuning baseline needs the float32 model (--precision float32)")
     torch.manual_seed(cfg.seed)
     model = copy.deepcopy(encoder.model)
     enc = Encoder(model, encoder.tokenizer, f"{encoder.name}-finetuned", threads=encoder.threads)

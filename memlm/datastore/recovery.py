@@ -1,0 +1,185 @@
+"""Committing the manifest, following other processes' commits, recovering a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from memlm.datastore.durable import _stat_key, _take_writer_lock, fsync_dir
+from memlm.datastore.layout import MANIFEST, TOMBSTONES, DatastoreError, _check_crash
+from memlm.datastore.manifest import _Manifest
+from memlm.datastore.segments import _Segments
+
+
+class _Recovery(_Segments):
+    """The manifest's commits, the shared writers' turns, and recovery at open."""
+
+    def _upgrade_v1(self) -> None:
+        """Rewrite a v1 manifest (deleted documents inline) as v2: the tombstone log and
+        the live count. Writers only, under the lock, before any other commit."""
+        m = self._m
+        if m.legacy_deleted is None:
+            return
+        self._write_tombstones(0, np.array(m.legacy_deleted, dtype=np.int64))
+        new = m.changed(tombstones=len(m.legacy_deleted), live=m.live)
+        self._commit(new)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the store's write lock for the block (reentrant; threads take turns).
+
+        A shared writer reloads the manifest on entry, so its writes follow every commit
+        other processes made; a caller that commits its own bookkeeping inside the block
+        (the ingest worker's database transaction) makes it atomic with the append for
+        every other writer. The exclusive writer holds the lock anyway: a no-op.
+        """
+        if not self._shared:
+            self._check_usable()
+            yield
+            return
+        with self._excl:
+            if self._excl_depth == 0:
+                self._check_usable()
+                self._excl_fd = _take_writer_lock(self.path, wait=True)
+                try:
+                    self._reload_manifest()
+                except BaseException:
+                    self._release_exclusive()
+                    raise
+            self._excl_depth += 1
+            try:
+                yield
+            finally:
+                self._excl_depth -= 1
+                if self._excl_depth == 0:
+                    self._release_exclusive()
+
+    def _release_exclusive(self) -> None:
+        if self._excl_fd is not None:
+            os.close(self._excl_fd)  # closing the only fd of the description drops the flock
+            self._excl_fd = None
+
+    def reload(self) -> bool:
+        """Pick up the latest commit of other processes; returns whether it changed.
+
+        Read-only and shared handles; a no-op on the exclusive writer's handle, whose
+        state is always current.
+        """
+        if not (self.readonly or self._shared):
+            return False
+        return self._reload_manifest()
+
+    def _reload_manifest(self) -> bool:
+        mpath = self.path / MANIFEST
+        key = _stat_key(mpath)
+        if key == self._manifest_stat:
+            return False
+        new = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
+        with self._lock:
+            if new.truncations != self._m.truncations or new.names != self._m.names:
+                # A truncate may have dropped and re-created segment files, a compaction
+                # replaced some: map them anew.
+                self._maps.clear()
+            self._m = new
+            self._read_tombstones()
+            self._manifest_stat = key
+        return True
+
+    def _read_tombstones(self) -> None:
+        """Bring the deleted set up to the committed log, reading only the new ids."""
+        m = self._m
+        if m.legacy_deleted is not None:  # v1: inline, and no live count on disk
+            self._deleted = set(m.legacy_deleted)
+            self._deleted_arr = np.array(m.legacy_deleted, dtype=np.int64)
+            dead = sum(int(np.isin(d, self._deleted_arr).sum()) for _, d in self._all_doc_ids())
+            m.live = m.total - dead
+            return
+        start, stop = self._tombstones_read, m.tombstones
+        if stop == start:
+            return
+        if stop < start:
+            raise DatastoreError(f"{self.path}: the tombstone log shrank ({start} -> {stop})")
+        with open(self.path / TOMBSTONES, "rb") as f:
+            f.seek(start * 8)
+            new = np.frombuffer(f.read((stop - start) * 8), dtype=np.int64)
+        if len(new) != stop - start:
+            raise DatastoreError(f"{self.path / TOMBSTONES}: shorter than the manifest commits")
+        self._deleted.update(new.tolist())
+        self._deleted_arr = np.union1d(self._deleted_arr, new)
+        self._tombstones_read = stop
+
+    def _write_tombstones(self, start: int, ids: npt.NDArray[np.int64]) -> None:
+        """Write ``ids`` at position ``start`` of the log, durably (uncommitted until the
+        manifest says so: bytes beyond its count are cut by the next writer open)."""
+        f = self.path / TOMBSTONES
+        new_file = not f.exists()
+        with open(f, "r+b" if not new_file else "w+b") as fh:
+            fh.seek(start * 8)
+            fh.write(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+        if new_file:
+            fsync_dir(self.path)
+
+    def _recover(self, *, cut_tails: bool) -> None:
+        """Check sizes, drop files the manifest does not list and (``cut_tails``) cut file
+        tails beyond it.
+
+        Only the opening writer cuts tails: a reader in another process may still map
+        the tail of a segment that ``truncate`` shortened, and shrinking a mapped file
+        kills that reader with SIGBUS. Unlinking a mapped file is safe. Unlisted files
+        include a crashed compaction's new files and a finished one's old files.
+        """
+        listed: set[str] = set()
+        changed = False
+        wanted = [
+            (f, self._nbytes(column, rows))
+            for seg, rows in enumerate(self._m.rows)
+            for column, f in self._files(seg).items()
+        ]
+        if self._m.tombstones or (self.path / TOMBSTONES).exists():
+            wanted.append((self.path / TOMBSTONES, self._m.tombstones * 8))
+        for f, want in wanted:
+            listed.add(f.name)
+            have = f.stat().st_size if f.exists() else -1
+            if have < want:
+                raise DatastoreError(
+                    f"{f}: {have} bytes on disk, manifest commits {want}: data lost"
+                )
+            if have > want and cut_tails:
+                os.truncate(f, want)
+                changed = True
+        for f in self.path.iterdir():
+            uncommitted = f.name.startswith("seg-") and f.name not in listed
+            if uncommitted or f.name == MANIFEST + ".tmp":
+                f.unlink()
+                changed = True
+        if changed:
+            fsync_dir(self.path)
+
+    def _commit(self, new: _Manifest, crash_at: str | None = None) -> None:
+        mpath = self.path / MANIFEST
+        tmp = mpath.with_name(MANIFEST + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(new.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        _check_crash(crash_at, "before_manifest")
+        os.replace(tmp, mpath)
+        _check_crash(crash_at, "after_manifest")
+        with self._lock:
+            if new.names != self._m.names:
+                self._maps.clear()
+            self._m = new
+            self._read_tombstones()
+            self._manifest_stat = _stat_key(mpath)  # our own commit: nothing to reload
+        fsync_dir(self.path)
+
+    def _crashed(self) -> None:
+        """A ``crash_at`` point was hit: the "process" died; let a new writer open the path."""
+        self._broken = True
+        self.close()

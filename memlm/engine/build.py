@@ -1,0 +1,195 @@
+"""Maintenance: building an index version, compaction, choosing the served
+interpolation (constant or calibrator), and which recorded version is served."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from memlm.calibrator import TOP_N
+from memlm.datastore import Compaction
+from memlm.encoder import TokenOutputs
+from memlm.engine.core import EngineCore
+from memlm.engine.errors import EngineInputError
+from memlm.engine.results import RebuildInfo
+from memlm.index import (
+    IndexParams,
+    build_index,
+    list_versions,
+    newest_recorded,
+    prune,
+    remove_orphan_versions,
+)
+
+log = logging.getLogger(__name__)
+
+
+class BuildMixin(EngineCore):
+    """``rebuild``, ``compact``, ``train_calibrator``, ``reconcile_index``."""
+
+    # --- maintenance ---------------------------------------------------------------------------
+
+    def rebuild(
+        self,
+        *,
+        crash_at: str | None = None,
+        params: IndexParams | None = None,
+        retrain: bool = False,
+    ) -> RebuildInfo:
+        """Build a new index version, choose its interpolation on the held-out tokens (the
+        constant tuned on them, or the calibrator trained on them if it beats that constant
+        on the same validation tokens), serve both.
+
+        The version is incremental (the served one plus the entries appended since, less
+        the compacted ones) unless ``retrain`` or ``build_index``'s rules ask for training.
+
+        One build at a time per data directory, across processes (``build.lock``).
+        """
+        self._check_writer()
+        with self.building():
+            self.sync()
+            compaction = self.compact()
+            info = build_index(
+                self.datastore,
+                self.data_dir / "index",
+                params,
+                retrain=retrain,
+                crash_at=crash_at,
+                progress=False,
+            )
+            # ingest goes on during a build (workers.builder): the statistics are saved
+            # between two documents, never half-way through one's update
+            with self.exclusive(), self._write_lock:
+                self.calibration.snapshot(self.data_dir / "index", info.version)
+            report, interpolation = self._calibrate_for(info.version)
+            # After the calibrator of the new version is saved (or carried forward): older
+            # versions that hold a forgotten document's keys go now, whatever their age.
+            if self.datastore.num_deleted_documents:  # (a failed training carried none)
+                self.calibration._carry_forward(self.data_dir / "index", info.version)
+            prune(
+                self.data_dir / "index",
+                keep=3,
+                deleted_documents=self.datastore.num_deleted_documents,
+            )
+        self.reload_index()
+        return RebuildInfo(
+            **{f.name: getattr(info, f.name) for f in fields(info)},
+            calibrator=report,
+            compaction=dataclasses.asdict(compaction),
+            interpolation=interpolation,
+        )
+
+    def compact(self, *, crash_at: str | None = None) -> Compaction:
+        """Remove forgotten documents' rows from the datastore files (``Datastore.compact``).
+
+        Runs under the build lock (the nightly build calls it first) and the datastore's
+        write lock; the served memory then re-reads the rewritten segments. Ids do not
+        change, so the index versions, the fresh index and the database stay valid.
+        """
+        self._check_writer()
+        with self.building(), self.exclusive(), self._write_lock:
+            done = self.datastore.compact(crash_at=crash_at)
+            self.index.refresh()
+        if done.rows_removed:
+            log.info(
+                "compaction: %d rows of forgotten documents removed from %d segments, "
+                "%d bytes reclaimed",
+                done.rows_removed,
+                done.segments,
+                done.bytes_reclaimed,
+            )
+        return done
+
+    def _calibrate_for(self, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Merge the pending held-out tokens, tune the constant on them, train the
+        calibrator of ``version`` with its k and T, record which of the two it serves.
+
+        Returns (calibrator report, interpolation record).  A failure leaves the version
+        without ``interpolation.json``: it serves the newest older choice.
+        """
+        cfg = self.heldout.cfg
+        index_root = self.data_dir / "index"
+        report: dict[str, Any] = {"trained": False, "reason": "calibrator training is off"}
+        try:
+            if cfg.enabled:
+                pending = self.heldout.pending()
+                merged = self.calibration.add_heldout(
+                    self.heldout.load(pending.paths), version, max_tokens=cfg.max_tokens
+                )
+                # Deleted only once the merge is durable; a crash in between merges them
+                # again, and add_heldout drops the rows of documents it already holds.
+                self.heldout.remove(pending.paths)
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            if cfg.enabled:
+                report = self.calibration.retrain(
+                    choice.params, index_root, version, min_tokens=cfg.min_tokens
+                )
+                report = {"merged_tokens": merged, **report}
+            record = self.calibration.choose(choice, self.grid, index_root, version)
+        except Exception:  # the index is built and good: serve it with the older choice
+            log.exception("choosing the interpolation of index version %d failed", version)
+            reason = "training failed (details in the worker log)"
+            return {"trained": False, "reason": reason}, {"error": reason}
+        log.info("calibrator for index version %d: %s", version, report)
+        log.info("interpolation for index version %d: %s", version, record)
+        return report, record
+
+    def train_calibrator(self, texts: list[str], day: int) -> dict[str, Any]:
+        """Add held-out documents of ``day`` to the calibrator's set, retrain, serve it.
+
+        The calibrator and the gate are saved beside the served index version; processes
+        serving that version pick them up on their next ``reload_index``.
+        """
+        self._check_writer()
+        version = self.index.version
+        if version is None:
+            raise EngineInputError("build an index before training the calibrator")
+        outs = [self._encode(t)[1] for t in texts]
+        o = TokenOutputs.concat(outs)
+        dist, _, vals = self.index.search_values(o.keys, max(self.knn.k, TOP_N))
+        split: dict[str, np.ndarray] = {
+            "target_lm_logprob": o.target_logprob.astype(np.float64),
+            "distances": dist,
+            "values": vals,
+            "day": np.full(len(o), day, np.int32),
+            # negative: not stream documents (those have ids >= 0 and are merged once)
+            "doc": np.concatenate([np.full(len(x), -1 - i, np.int64) for i, x in enumerate(outs)]),
+            "gold": o.targets,
+            "top_logprob": o.top_logprob,
+            "entropy": o.entropy,
+            "lexical": self.calibration.lexical.features(o.prev_tokens),
+        }
+        index_root = self.data_dir / "index"
+        with self.building():  # the training set and the version's files have the build lock
+            # k and T of the constant chosen now; the calibrator's lambda competes with it
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            report = self.calibration.train(split, choice.params, index_root, version)
+            choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
+            record = self.calibration.choose(choice, self.grid, index_root, version)
+        self.calibration.load_for(index_root, version)
+        return {**report, "interpolation": record}
+
+    def reconcile_index(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Serve only index versions the database recorded: the newest of them on disk.
+
+        A version directory no record names (a build killed before its record) is an
+        orphan; ``delete`` (a writer, which takes the build lock) also removes orphans and
+        points CURRENT back. Returns the orphan versions found, ascending.
+        """
+        root = self.data_dir / "index"
+        if delete:
+            self._check_writer()
+            with self.building(timeout=0):
+                orphans = remove_orphan_versions(root, recorded)
+        else:
+            orphans = [v for v in list_versions(root) if v not in set(recorded)]
+        want = newest_recorded(root, recorded)
+        if self.index.version != want:
+            self.index.serve(want)
+            self.calibration.load_for(root, self.index.version)
+        return orphans

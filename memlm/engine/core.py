@@ -1,0 +1,183 @@
+"""The engine's state and what every operation shares: opening the memory of a data
+directory, the served interpolation, the scores of a text, the build and write locks, and
+serving the newest index version."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
+from memlm.datastore import Datastore
+from memlm.encoder import Encoder, TokenOutputs, WindowConfig
+from memlm.engine.errors import EngineInputError
+from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
+from memlm.index import MemoryIndex
+from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
+from memlm.knnlm import KnnParams
+from memlm.locks import FileLock, LockBusy
+from memlm.policy import Policy, TokenScores, make_policy, token_scores
+from memlm.words import WordConfig
+
+ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
+BUILD_LOCK = "build.lock"  # one index build (and training-set write) at a time
+
+
+class EngineCore:
+    """Encoder + datastore + memory index of one data directory (``Engine`` adds the
+    operations: memlm.engine.ingest, .predict, .score, .build, .forget, .stats)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        encoder: Encoder,
+        *,
+        knn: KnnParams | None = None,
+        policy: Policy | None = None,
+        window: WindowConfig | None = None,
+        gate_theta: float = 0.0,
+        heldout: HeldOutConfig | None = None,
+        readonly: bool = False,
+        shared: bool = False,
+        grid: TuneGrid | None = SERVED_GRID,
+        tune_min_tokens: int = MIN_TUNE_TOKENS,
+    ):
+        """``knn``: the constant served until a build chooses one (default: the measured
+        ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
+        serve ``knn`` always); ``tune_min_tokens``: held-out tokens with a neighbour needed
+        to tune."""
+        self.data_dir = Path(data_dir)
+        self.readonly = readonly  # another process (the worker) writes; sync() follows it
+        self.shared = shared  # one of several writer processes; they take turns to append
+        self.encoder = encoder
+        default = knn or SERVED_DEFAULT
+        self.grid = (
+            grid
+            if grid is not None
+            else TuneGrid((default.k,), (default.temperature,), (default.lmbda,))
+        )
+        self.tune_min_tokens = tune_min_tokens
+        self.policy = policy or make_policy("monim")
+        self.window = window or WindowConfig()
+        self.words = WordConfig()
+        self.datastore = Datastore.open(
+            self.data_dir / "datastore",
+            dim=None if readonly else encoder.dim,
+            readonly=readonly,
+            shared=shared,
+            # refused when the store's keys were made in another precision (never mixed)
+            key_precision=encoder.precision,
+        )
+        self.index = MemoryIndex(self.datastore, self.data_dir / "index")
+        self._write_lock = threading.Lock()  # one appender per process
+        self._build_lock = threading.RLock()  # building(): this process's holder
+        self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
+        self._building = 0
+        # The served interpolation (constant k, T, lambda or the calibrator) of the served
+        # index version; every call reads ``self.calibration.served`` once.
+        self.calibration = ServedCalibration(
+            self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared, default=default
+        )
+        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        # held-out tokens recorded while ingesting, for the calibrator of the next build
+        self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
+
+    @property
+    def knn(self) -> KnnParams:
+        """The constant served now (k and T of p_kNN; lambda unless the calibrator is)."""
+        return self.calibration.served.params
+
+    @property
+    def served(self) -> ServedInterpolation:
+        """The interpolation served now; a call reads it once and uses it throughout."""
+        return self.calibration.served
+
+    def _policy(self, policy: Policy | str | None) -> Policy:
+        if policy is None:
+            return self.policy
+        return make_policy(policy) if isinstance(policy, str) else policy
+
+    # --- memory lookups --------------------------------------------------------------------
+
+    def _scores(
+        self, out: TokenOutputs, served: ServedInterpolation
+    ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The augmented model's scores under the served interpolation, the lambda of each
+        token (0 where the gate skips the search) and the search behind them (k columns).
+
+        The same model answers /score and decides what MoNIM stores (DESIGN.md).
+        """
+        k = served.params.k
+        # the calibrator's density features describe the top 10 neighbours
+        width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
+        dist, ids, vals = self.index.search_values(out.keys, width)
+        lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
+        dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
+        scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
+        return scores, lam, (dist, ids, vals)
+
+    def _encode(self, text: str, key_ce: bool = False) -> tuple[list[int], TokenOutputs]:
+        ids = self.encoder.tokenize(text)
+        if len(ids) < 2:
+            raise EngineInputError("the text must hold at least two tokens")
+        return ids, self.encoder.encode_ids(ids, self.window, key_ce=key_ce)
+
+    @contextlib.contextmanager
+    def building(self, timeout: float | None = None) -> Iterator[None]:
+        """The data directory's build lock for the block (reentrant in this process).
+
+        One index build at a time across processes; a worker holds it from claiming a
+        build request to recording it, so a build marked running always has a live builder.
+        ``timeout``: raise ``LockBusy`` after waiting that long (0: do not wait).
+        """
+        if not self._build_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise LockBusy("another thread of this process is building")
+        try:
+            if self._building == 0:
+                self._build_file.acquire(timeout)
+            self._building += 1
+        except BaseException:
+            self._build_lock.release()
+            raise
+        try:
+            yield
+        finally:
+            self._building -= 1
+            if self._building == 0:
+                self._build_file.release()
+            self._build_lock.release()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The datastore's write lock for the block, with the memory up to date inside.
+
+        A shared writer (``Engine.open(shared=True)``: several ingest processes on one
+        data directory) sees every entry the others committed before it appends.
+        """
+        self._check_writer()
+        with self.datastore.exclusive():
+            if self.shared:
+                self.index.refresh()
+            yield
+
+    def char_spans(self, text: str) -> np.ndarray:
+        """(n, 2) int64: the character span of every token of ``text`` (its positions)."""
+        return np.asarray(self.encoder.char_offsets(text), dtype=np.int64).reshape(-1, 2)
+
+    def sync(self) -> int:
+        """Make entries other processes appended searchable (read-only and shared engines)."""
+        return self.index.refresh() if self.readonly or self.shared else 0
+
+    def _check_writer(self) -> None:
+        if self.readonly:
+            raise RuntimeError("this engine opened the memory read-only; the worker writes")
+
+    def reload_index(self) -> bool:
+        """Serve the newest built version (and its calibrator) if another process built one."""
+        changed = self.index.reload()
+        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        return changed

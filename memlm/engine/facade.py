@@ -1,0 +1,74 @@
+"""The engine facade: :class:`Engine`, the operations of its modules on one object."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from memlm.datastore import Datastore
+from memlm.encoder import BUNDLED_MODEL, Encoder, WindowConfig
+from memlm.engine.build import BuildMixin
+from memlm.engine.forget import ForgetMixin
+from memlm.engine.ingest import IngestMixin
+from memlm.engine.predict import PredictMixin
+from memlm.engine.score import ScoreMixin
+from memlm.engine.stats import StatsMixin
+from memlm.heldout import HeldOutConfig
+from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_GRID, TuneGrid
+from memlm.knnlm import KnnParams
+from memlm.policy import Policy, make_policy
+
+log = logging.getLogger(__name__)
+
+
+class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin):
+    """Encoder + datastore + memory index of one data directory."""
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: Path,
+        *,
+        model: str = BUNDLED_MODEL,
+        knn: KnnParams | None = None,
+        policy: str | Policy = "monim",
+        delta: float | None = None,
+        rate: float = 0.5,
+        threads: int | None = None,
+        encoder: Encoder | None = None,
+        window: WindowConfig | None = None,
+        gate_theta: float = 0.0,
+        heldout: HeldOutConfig | None = None,
+        readonly: bool = False,
+        shared: bool = False,
+        grid: TuneGrid | None = SERVED_GRID,
+        tune_min_tokens: int = MIN_TUNE_TOKENS,
+        precision: str = "float32",
+        device: str = "cpu",
+    ) -> Engine:
+        """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
+
+        ``precision="auto"`` keeps the precision an existing datastore's keys were made
+        with, and otherwise probes (memlm.encoder.precision); ``device="auto"`` takes CUDA
+        when torch sees it.
+        """
+        if encoder is None and precision == "auto":
+            stored = Datastore.stored_key_precision(Path(data_dir) / "datastore")
+            if stored is not None:
+                log.info("precision auto: %s, the precision of the datastore's keys", stored)
+                precision = stored
+        enc = encoder or Encoder.load(model, threads=threads, precision=precision, device=device)
+        pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
+        return cls(
+            Path(data_dir),
+            enc,
+            knn=knn,
+            policy=pol,
+            window=window,
+            gate_theta=gate_theta,
+            heldout=heldout,
+            readonly=readonly,
+            shared=shared,
+            grid=grid,
+            tune_min_tokens=tune_min_tokens,
+        )

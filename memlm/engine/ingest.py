@@ -1,0 +1,151 @@
+"""Memorising a document: encode, score against the served memory, apply the policy,
+append durably (and roll back an uncommitted tail)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from memlm.calibrator import TOP_N
+from memlm.datastore import SimulatedCrash
+from memlm.encoder import TokenOutputs
+from memlm.engine.core import EngineCore
+from memlm.engine.results import IngestResult, PreparedDocument
+from memlm.policy import Policy, TokenScores
+
+log = logging.getLogger(__name__)
+
+
+class IngestMixin(EngineCore):
+    """The data flow's write side: ``process_document`` = ``prepare`` + ``store``."""
+
+    # --- the data flow ---------------------------------------------------------------------
+
+    def process_document(
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        crash_at: str | None = None,
+    ) -> IngestResult:
+        """Encode, score against the memory served now, apply the policy, append durably."""
+        return self.store_document(
+            self.prepare_document(doc_id, text, day, policy=policy), crash_at=crash_at
+        )
+
+    def prepare_document(
+        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+    ) -> PreparedDocument:
+        """Everything before the append, without the write lock: encode, score every token
+        against the memory served now (other writers' entries included), apply the policy.
+
+        A sampled document's held-out tokens are recorded for the calibrator here (they
+        were scored against the memory before its own entries join it).
+        """
+        self._check_writer()
+        if self.shared:  # what other writers appended, and an index another one built
+            self.sync()
+            self.reload_index()
+        pol = self._policy(policy)
+        served = self.served  # MoNIM asks the model served now (read once)
+        token_ids, out = self._encode(text, pol.needs_key_ce)
+        search: tuple[np.ndarray, np.ndarray] | None = None
+        if pol.needs_augmented:
+            scores, _, (dist, _, vals) = self._scores(out, served)
+            search = (dist, vals)
+        else:
+            nan = np.full(len(out), np.nan)
+            scores = TokenScores(nan, nan, out.key_ce)
+        self._record_heldout(doc_id, day, out, search)
+        scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
+        spans = self.char_spans(text)
+        ok = len(spans) == len(token_ids)
+        if not ok:  # offsets of another tokenisation would mark the wrong characters
+            log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
+        return PreparedDocument(
+            doc_id, day, token_ids, out, pol.decide(scores), spans if ok else None
+        )
+
+    def store_document(
+        self, prep: PreparedDocument, *, crash_at: str | None = None
+    ) -> IngestResult:
+        """Append a prepared document's entries durably and make them searchable.
+
+        A caller that must commit its own bookkeeping atomically with the append (the
+        ingest worker) calls this inside ``exclusive()`` and commits before leaving it.
+        """
+        self._check_writer()
+        out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
+        n = int(mask.sum())
+        with self.exclusive(), self._write_lock:
+            first = len(self.datastore)
+            if n:
+                self.datastore.append(
+                    out.keys[mask].astype(np.float16),
+                    out.targets[mask].astype(np.int32),
+                    np.full(n, doc_id, np.int64),
+                    out.positions[mask],
+                    np.full(n, prep.day, np.int32),
+                )
+                self.index.refresh()
+            end = len(self.datastore)
+            self.calibration.observe(prep.token_ids, doc_id)  # once, even when processed again
+        if crash_at == "after_append":
+            raise SimulatedCrash("engine: crash after the append, before the caller commits")
+        return IngestResult(len(out), n, first, end)
+
+    def _record_heldout(
+        self,
+        doc_id: int,
+        day: int,
+        out: TokenOutputs,
+        search: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        """Record the document's held-out tokens for the calibrator if it is sampled.
+
+        ``search``: the policy's (distances, values) against the memory served now, reused
+        when it holds enough neighbours; FullMem and RandMem do not search, so a sampled
+        document costs them one search here.
+        """
+        self.calibration.refresh_lexical()
+        if not self.heldout.cfg.enabled or self.calibration.lexical.counted(doc_id):
+            return  # counted before: processed again after a crash, its record stands
+        docs, day_tokens = self.calibration.training_index()
+        budget = self.heldout.budget(doc_id, day, docs, day_tokens)
+        if budget <= 0:
+            return
+        rows = self.heldout.rows(doc_id, len(out), budget)
+        # every k the build may tune (and the served one), and the 10 density features
+        width = max(self.grid.k_max, self.knn.k, TOP_N)
+        if search is not None and search[0].shape[1] >= width:
+            dist, vals = search[0][rows, :width], search[1][rows, :width]
+        else:
+            dist, _, vals = self.index.search_values(out.keys[rows], width)
+        n = len(rows)
+        self.heldout.record(
+            doc_id,
+            day,
+            {
+                "target_lm_logprob": out.target_logprob[rows].astype(np.float32),
+                "distances": dist.astype(np.float32),  # (n, width) squared L2
+                "values": vals.astype(np.int32),  # (n, width), -1 pads
+                "gold": out.targets[rows].astype(np.int64),
+                "top_logprob": out.top_logprob[rows].astype(np.float32),
+                "entropy": out.entropy[rows].astype(np.float32),
+                # the statistics before this document is counted (observe() comes later)
+                "lexical": self.calibration.lexical.features(out.prev_tokens[rows]),
+                "day": np.full(n, day, np.int32),
+                "doc": np.full(n, doc_id, np.int64),
+            },
+        )
+
+    def truncate_datastore(self, n: int) -> None:
+        """Roll back entries with ids >= n (their documents were never committed)."""
+        self._check_writer()
+        with self.exclusive(), self._write_lock:
+            self.datastore.truncate(n)
+            self.index.refresh()

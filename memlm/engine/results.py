@@ -1,0 +1,111 @@
+"""What the engine's operations return (frozen dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memlm.encoder import TokenOutputs
+from memlm.index import BuildInfo
+from memlm.words import WordSuggestion
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    tokens_seen: int
+    tokens_stored: int
+    first_entry: int  # datastore ids [first_entry, end_entry) hold this document's entries
+    end_entry: int
+
+
+@dataclass(frozen=True)
+class PreparedDocument:
+    """A document encoded, scored and decided on, ready to append (``Engine.store_document``)."""
+
+    doc_id: int
+    day: int
+    token_ids: list[int]
+    outputs: TokenOutputs
+    store: np.ndarray  # (n,) bool: the policy's decision per scored token
+    # (len(token_ids), 2) character span of every token: stored beside the document so that
+    # a neighbour's snippet is a slice of its text, not a re-tokenisation (service/provenance)
+    char_spans: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class RebuildInfo(BuildInfo):
+    """A new index version, what the calibrator training at that build did, and the
+    interpolation it serves (``interpolation.json``: constant chosen, calibrator or not)."""
+
+    calibrator: dict[str, Any] = field(default_factory=dict)
+    # what the compaction before the build removed (rows of forgotten documents)
+    compaction: dict[str, int] = field(default_factory=dict)
+    interpolation: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    token: str
+    token_id: int
+    prob: float
+    lm_prob: float
+    knn_prob: float
+    trime_prob: float | None = None  # LM + local / long-term memory (TRIME Eq. 6), if asked
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    entry_id: int
+    doc_id: int
+    position: int  # token position of the value in its document
+    token: str
+    token_id: int
+    distance: float  # squared L2
+    day: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    suggestions: list[Suggestion]
+    lam: float
+    neighbours: list[Neighbour]
+    context_tokens: int = 0
+    words: list[WordSuggestion] = field(default_factory=list)
+    index_version: int | None = None  # the built index version searched (None: fresh only)
+
+
+@dataclass(frozen=True)
+class _NextToken:
+    """Next-token distributions of R rows, each (R, V), and the search behind them."""
+
+    prob: np.ndarray  # (1 - lambda) * base + lambda * knn, base = trime if given else lm
+    lm: np.ndarray
+    knn: np.ndarray
+    trime: np.ndarray | None
+    lam: np.ndarray  # (R,) 0 where the gate skipped the search or nothing was found
+    dist: np.ndarray  # (R, k)
+    eids: np.ndarray
+    vals: np.ndarray
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    tokens: list[str]  # the scored tokens (every token but the first)
+    lm_logprobs: list[float]
+    logprobs: list[float]
+    lm_ppl: float
+    ppl: float
+    would_store: list[bool]
+    trime_logprobs: list[float] | None = None  # LM + local / long-term memory, if asked
+    trime_ppl: float | None = None
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """The end of a context that ``predict`` reads (``Engine.fit_context``)."""
+
+    text: str  # the context from the first token read on (all of it when it fits)
+    tokens: int  # tokens of ``text``
+    total: int  # tokens of the whole context
