@@ -35,10 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+from _common import load_average, markdown_table
 
 
 def slice20_test_ids(enc: Any, max_docs: int | None) -> list[list[int]]:
@@ -209,25 +206,28 @@ def main() -> None:
         f"after {load_average()}"
     )
     print()
-    print("| path | tokens/s | achieved | of peak | vs encoder |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["path", "tokens/s", "achieved", "of peak", "vs encoder"], rows))
     print()
-    print(
-        "| precision | encoder tokens/s | vs float32 | GEMM peak (same run) | of peak | "
-        "ingest tokens/s | ingest / encoder | test ppl | ppl vs float32 |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    prec_rows = []
     for p in encs:
         unit = "GOP/s" if p == "int8" else "GFLOP/s"
         tok_s = n_tok / enc_s[p]
-        print(
-            f"| {p} | {tok_s:.0f} | {f32 / enc_s[p]:.2f}x | {peak[p]:.1f} {unit} | "
-            f"{tok_s * flop_tok / 1e9 / peak[p]:.0%} | {n_tok / ing_s[p]:.0f} | "
-            f"{enc_s[p] / ing_s[p]:.2f}x | {ppl[p]:.3f} | "
-            f"{(ppl[p] - ppl['float32']) / ppl['float32']:+.2%} |"
+        prec_rows.append(
+            (
+                p,
+                f"{tok_s:.0f}",
+                f"{f32 / enc_s[p]:.2f}x",
+                f"{peak[p]:.1f} {unit}",
+                f"{tok_s * flop_tok / 1e9 / peak[p]:.0%}",
+                f"{n_tok / ing_s[p]:.0f}",
+                f"{enc_s[p] / ing_s[p]:.2f}x",
+                f"{ppl[p]:.3f}",
+                f"{(ppl[p] - ppl['float32']) / ppl['float32']:+.2%}",
+            )
         )
+    header = ["precision", "encoder tokens/s", "vs float32", "GEMM peak (same run)", "of peak"]
+    header += ["ingest tokens/s", "ingest / encoder", "test ppl", "ppl vs float32"]
+    print(markdown_table(header, prec_rows))
 
 
 if __name__ == "__main__":

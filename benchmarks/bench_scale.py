@@ -299,6 +299,34 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int, threads: int) -> di
     return row
 
 
+def rerank_sweep(args: argparse.Namespace, top: Path, st: Stretcher) -> None:
+    """recall@64 and batch-1 latency by ``rerank_min`` on a kept store's served version."""
+    from dataclasses import replace
+
+    data_dir = top / "memory"
+    ds = Datastore.open(data_dir / "datastore", readonly=True)
+    mem = MemoryIndex(ds, data_dir / "index")
+    q = st.queries[: args.queries]
+    truth = exact_search(ds, q, 64)
+    st_ = mem._state
+    assert st_.info is not None
+    base = st_.info
+    print(f"# {mem.num_entries} entries, version {mem.version}, {len(q)} queries, k=64")
+    print("| rerank_min | candidates | recall@64 | batch-1 p50 ms |")
+    print("|---:|---:|---:|---:|")
+    for rmin in (1, 256, 512, 1024, 2048):
+        st_.info = replace(base, params=replace(base.params, rerank_min=rmin))
+        _, ids = mem.search(q, 64)
+        ms = []
+        for j in range(min(64, len(q))):
+            t0 = time.perf_counter()
+            mem.search(q[j : j + 1], 64)
+            ms.append((time.perf_counter() - t0) * 1000)
+        cand = max(64 * base.params.rerank_factor, rmin)
+        print(f"| {rmin} | {cand} | {recall(ids, truth):.3f} | {np.median(ms):.1f} |", flush=True)
+    st_.info = base
+
+
 def record_builds(db_url: str, root: Path) -> None:
     """Record the versions built here as the worker would: the API serves only those."""
     from memlm.db.repositories import BuildRepository
@@ -412,6 +440,12 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the stores")
     ap.add_argument("--ram-child", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument(
+        "--rerank-sweep",
+        type=Path,
+        default=None,
+        help="only recall@64 by rerank_min, on a store a --keep run left (its n<N> folder)",
+    )
+    ap.add_argument(
         "--predict-only",
         type=Path,
         default=None,
@@ -427,6 +461,11 @@ def main() -> None:
     if args.encode_news:
         encode_news(args.keys_npz, args.encode_news, args.threads)
     st = Stretcher(args.keys_npz, args.heldout, args.noise)
+    if args.rerank_sweep is not None:
+        print(f"# re-rank sweep on {args.rerank_sweep}, load {load_average()}", flush=True)
+        rerank_sweep(args, args.rerank_sweep, st)
+        print(f"# load after: {load_average()}")
+        return
     if args.predict_only is not None:
         print(f"# /predict on {args.predict_only}, load {load_average()}", flush=True)
         row = predict_latency(args, args.predict_only, st, args.threads)

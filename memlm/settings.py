@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path("memlm-data")
     # None means the embedded default: sqlite:///<data_dir>/memlm.sqlite
     database_url: str | None = None
+    # The vector memory: unset or "faiss" = the embedded files under data_dir;
+    # milvus://host:port/collection = a Milvus server (memlm.memory.url; docs/service.md).
+    memory_url: str | None = None
 
     # --- model and memory -----------------------------------------------------------------
     model: str = "smollm2-135m"
@@ -130,6 +133,13 @@ class Settings(BaseSettings):
     # retries at once, ignoring Retry-After, then costs the event loop a few refusals a
     # second instead of thousands. An asyncio sleep: no thread and no model time. 0: off.
     overload_delay_seconds: float = Field(default=0.5, ge=0, le=10)
+    # Tokens one /generate may ask for (max_tokens): each is a one-token forward and a
+    # search on the model thread, about 20-60 ms with SmolLM2 on one CPU thread.
+    max_generate_tokens: int = Field(default=256, ge=1)
+    # Tokens a /generate job runs before the model thread takes other requests: small
+    # enough that /predict waits at most a few steps, large enough that the queue hop
+    # (well under 1 ms) is noise next to a step.
+    generate_chunk_tokens: int = Field(default=4, ge=1, le=64)
 
     # --- dashboard (GET /dashboard) -----------------------------------------------------
     # How often the page polls /admin/stats/history.
@@ -157,6 +167,14 @@ class Settings(BaseSettings):
     def _supported_url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("sqlite", "postgresql")):
             raise ValueError("database_url must be a sqlite:// or postgresql+psycopg:// URL")
+        return v
+
+    @field_validator("memory_url")
+    @classmethod
+    def _supported_memory_url(cls, v: str | None) -> str | None:
+        from memlm.memory.url import parse_memory_url
+
+        parse_memory_url(v)  # raises ValueError naming what is wrong
         return v
 
     @model_validator(mode="after")

@@ -27,7 +27,7 @@ from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.provenance import SpanCache
-from service.routes import admin, documents, health, inference
+from service.routes import admin, documents, generate, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
 
@@ -213,7 +213,7 @@ def create_app(
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    for module in (documents, inference, admin, health):
+    for module in (documents, inference, generate, admin, health):
         app.include_router(module.router)
     app.include_router(dashboard_routes.router)
     app.add_middleware(RequestSlots)

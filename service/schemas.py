@@ -348,6 +348,11 @@ class InterpolationOut(BaseModel):
 
 
 class StatsResponse(BaseModel):
+    backend: str = Field(
+        "faiss",
+        description="the memory that serves: faiss (the embedded files) or milvus "
+        "(MEMLM_MEMORY_URL); entries is what it holds",
+    )
     entries: int = Field(description="live entries in the served memory")
     datastore_entries: int = Field(description="entries on disk, forgotten ones included")
     tokens_seen: int

@@ -75,6 +75,7 @@ def summarise(
     stored = sum(d.tokens_stored for d in days)
     active: IndexBuild | None = db["active"]
     return StatsResponse(
+        backend=str(engine_stats.get("backend", "faiss")),
         entries=int(engine_stats["entries"]),
         datastore_entries=int(engine_stats["datastore_entries"]),
         tokens_seen=seen,

@@ -13,6 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
+# the real Milvus server (session-scoped; skips with its reason where it cannot start)
+from tests.milvus_fixtures import milvus_server, milvus_url  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session")
 def _migrated_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:

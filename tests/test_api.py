@@ -852,6 +852,7 @@ def test_openapi_lists_every_route_with_examples(env: Env) -> None:
         "/documents/{doc_id}",
         "/predict",
         "/score",
+        "/generate",
         "/admin/stats",
         "/admin/rebuild",
         "/admin/policy",
@@ -885,6 +886,7 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
         "GET /documents/{doc_id}": [401, 404, 422, 500],
         "POST /predict": sorted([*body, *auth, 422, 429, 500, 503]),
         "POST /score": sorted([*body, *auth, 422, 429, 500, 503]),
+        "POST /generate": sorted([*body, *auth, 422, 429, 500, 503]),
         "GET /admin/stats": [401, 429, 500, 503],
         "GET /admin/stats/history": [401, 429, 500],  # the model loading: 200, stats null
         "POST /admin/rebuild": sorted([*body, *auth, 422, 500]),

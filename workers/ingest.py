@@ -50,6 +50,7 @@ from memlm.engine import EngineLike, day_number, policy_params, reconcile_index
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
 from workers.builder import run_queued_build, start_builder
+from workers.liveness import PgWorkerLock, pg_worker_alive
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,10 @@ def failure_reason(exc: BaseException) -> str:
     return "internal error while processing the document (details in the worker log)"
 
 
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
 class IngestWorker:
     """Memorises pending documents one at a time; queued index builds run in ``step``
     (tests, one-shot use) or, under ``run``, in a builder thread beside the loop."""
@@ -142,7 +147,16 @@ class IngestWorker:
         self.sessions = sessions
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.lock = FileLock(worker_lock_path(settings, self.name))  # "this worker lives"
+        # The Milvus memory: workers may run on machines that share only PostgreSQL and
+        # Milvus, so liveness is a PostgreSQL advisory lock (workers.liveness), and the
+        # memory's own idempotent per-document writes replace the datastore's cut.
+        self.on_milvus = bool(getattr(engine, "on_milvus", False))
+        self.pg_liveness = self.on_milvus and settings.db_url.startswith("postgresql")
+        self.lock: FileLock | PgWorkerLock = (  # "this worker lives"
+            PgWorkerLock(settings.db_url, self.name)
+            if self.pg_liveness
+            else FileLock(worker_lock_path(settings, self.name))
+        )
         self.policy_factory = policy_factory
         self.done = 0
 
@@ -165,6 +179,10 @@ class IngestWorker:
             self.sessions.begin() as s,
         ):
             builds = BuildRepository(s).release_orphans()
+        if self.on_milvus:
+            dropped = self.drop_orphans()
+            reconcile_index(self.engine, self.sessions, delete=True)
+            return Recovery(released, builds, dropped, 0)
         with self.engine.exclusive():
             before, end = self._cut_uncommitted()
         if before < end:
@@ -187,8 +205,7 @@ class IngestWorker:
         dead = [
             n
             for n in names
-            if (n == self.name and including_self)
-            or (n != self.name and not held_elsewhere(worker_lock_path(self.settings, n)))
+            if (n == self.name and including_self) or (n != self.name and not self._alive(n))
         ]
         if not dead:
             return 0
@@ -197,6 +214,29 @@ class IngestWorker:
         if released:
             log.warning("put %d documents of stopped workers %s back in the queue", released, dead)
         return released
+
+    def _alive(self, name: str) -> bool:
+        if self.pg_liveness:
+            return pg_worker_alive(self.settings.db_url, name)
+        return held_elsewhere(worker_lock_path(self.settings, name))
+
+    def drop_orphans(self) -> int:
+        """Milvus: delete the entries of documents that are neither committed (done, or
+        being forgotten) nor claimed by a live worker: a worker killed between its insert
+        and its commit left them. Returns how many entries left."""
+        memory = self.engine.memory  # type: ignore[attr-defined]
+        held = memory.documents()
+        with self.sessions() as s:
+            rows = DocumentRepository(s).many(held.tolist())
+        keep = [
+            d
+            for d in held.tolist()
+            if d in rows and rows[d].status in ("done", "forgetting", "processing")
+        ]
+        dropped = int(memory.delete_documents_except(keep, held))
+        if dropped:
+            log.warning("deleted %d Milvus entries of uncommitted documents", dropped)
+        return dropped
 
     # --- work ------------------------------------------------------------------------------
 
@@ -265,7 +305,8 @@ class IngestWorker:
         except Exception as exc:
             return self._failed(doc_id, exc)
         with self.engine.exclusive():  # other workers wait from here to the commit
-            self._cut_uncommitted()  # a worker that died between its append and its commit
+            if not self.on_milvus:  # (Milvus: the append replaces an earlier try's entries)
+                self._cut_uncommitted()  # a worker that died between its append and commit
             try:
                 result = self.engine.store_document(prepared)
             except Exception as exc:
@@ -281,8 +322,8 @@ class IngestWorker:
                         policy=policy_name,
                         tokens_seen=seen,
                         tokens_stored=stored,
-                        entry_start=int(result.first_entry),
-                        entry_end=int(result.end_entry),
+                        entry_start=_opt_int(result.first_entry),
+                        entry_end=_opt_int(result.end_entry),
                     )
                     StatsRepository(s).add_document(day, policy_name, seen, stored)
                     # snippet offsets commit with the document (None from engines without)
@@ -302,8 +343,11 @@ class IngestWorker:
         bookkeeping itself fails (the database is down), the exception leaves the step and
         ``run`` puts the claim back in the queue.
         """
-        with self.engine.exclusive():
-            self._cut_uncommitted()
+        if self.on_milvus:  # whatever this try wrote must not outlive it
+            self.engine.memory.delete_document(doc_id)  # type: ignore[attr-defined]
+        else:
+            with self.engine.exclusive():
+                self._cut_uncommitted()
         reason = failure_reason(exc)
         limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:

@@ -175,8 +175,8 @@ class DocumentRepository:
         policy: str,
         tokens_seen: int,
         tokens_stored: int,
-        entry_start: int,
-        entry_end: int,
+        entry_start: int | None,
+        entry_end: int | None,
     ) -> None:
         doc.status = "done"
         doc.error = doc.retry_at = None

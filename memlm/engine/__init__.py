@@ -12,6 +12,7 @@ Modules, one responsibility each::
     core.py      state, served interpolation, scores of a text, build/write locks, reload
     ingest.py    ``process_document`` = ``prepare_document`` + ``store_document``
     predict.py   ``predict`` / ``predict_batch`` (words, TRIME memory, neighbours)
+    generation.py ``start_generation`` and the pieces :mod:`memlm.generate` steps with
     score.py     ``score``
     build.py     ``rebuild``, ``compact``, ``train_calibrator``, ``reconcile_index``
     forget.py    ``forget_document``, ``hide_documents``

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import fields
 from typing import Any
@@ -51,6 +52,8 @@ class BuildMixin(EngineCore):
         One build at a time per data directory, across processes (``build.lock``).
         """
         self._check_writer()
+        if self.on_milvus:
+            return self._rebuild_milvus(params)
         with self.building():
             self.sync()
             compaction = self.compact()
@@ -84,6 +87,30 @@ class BuildMixin(EngineCore):
             interpolation=interpolation,
         )
 
+    def _rebuild_milvus(self, params: IndexParams | None) -> RebuildInfo:
+        """Flush, compact and (when the size calls for it) re-index the collection.
+
+        The interpolation is not re-tuned and no calibrator is trained: both live beside
+        local index versions, which the Milvus memory does not have; the settings' constant
+        (or the measured default) stays served.
+        """
+        with self.building():
+            info = self.memory.build(params)
+        p = info["params"]
+        return RebuildInfo(
+            version=time.time_ns() // 1_000_000,  # a build stamp: Milvus keeps no versions
+            entries=int(info["entries"]),
+            upto=int(info["entries"]),
+            params=p if isinstance(p, IndexParams) else IndexParams(**p),
+            train_seconds=0.0,
+            add_seconds=float(info["seconds"]),
+            path=self.data_dir / "index",
+            dim=self.encoder.dim,
+            calibrator={"trained": False, "reason": "not with the Milvus memory"},
+            compaction={k: v for k, v in info.items() if k.endswith("seconds")},
+            interpolation={"served": self.served.to_json(), "tuned": False},
+        )
+
     def compact(self, *, crash_at: str | None = None) -> Compaction:
         """Remove forgotten documents' rows from the datastore files (``Datastore.compact``).
 
@@ -92,6 +119,8 @@ class BuildMixin(EngineCore):
         change, so the index versions, the fresh index and the database stay valid.
         """
         self._check_writer()
+        if self.on_milvus:  # Milvus compacts deleted rows itself (and in ``rebuild``)
+            return Compaction(0, 0, 0)
         with self.building(), self.exclusive(), self._write_lock:
             done = self.datastore.compact(crash_at=crash_at)
             self.index.refresh()
@@ -182,6 +211,8 @@ class BuildMixin(EngineCore):
         points CURRENT back. Returns the orphan versions found, ascending.
         """
         root = self.data_dir / "index"
+        if self.on_milvus:  # no version directories: nothing to reconcile
+            return []
         if delete:
             self._check_writer()
             with self.building(timeout=0):

@@ -8,6 +8,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -20,8 +21,26 @@ from memlm.index import MemoryIndex
 from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams
 from memlm.locks import FileLock, LockBusy
+from memlm.memory import MemoryBackend, open_milvus, parse_memory_url
+from memlm.memory.faiss_backend import FaissMemory
+from memlm.memory.url import MilvusURL
 from memlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.words import WordConfig
+
+
+class FaissOnly:
+    """Stands for the datastore or the index files when the memory is Milvus: any use is a
+    bug in a path that should have asked ``EngineCore.on_milvus``, named as such."""
+
+    def __init__(self, what: str, url: MilvusURL) -> None:
+        self._what, self._url = what, url
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"{self._what}.{name}: the memory is the Milvus collection {self._url}, "
+            "which has no local datastore or index versions"
+        )
+
 
 ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
 BUILD_LOCK = "build.lock"  # one index build (and training-set write) at a time
@@ -45,11 +64,13 @@ class EngineCore:
         shared: bool = False,
         grid: TuneGrid | None = SERVED_GRID,
         tune_min_tokens: int = MIN_TUNE_TOKENS,
+        memory_url: str | None = None,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
         serve ``knn`` always); ``tune_min_tokens``: held-out tokens with a neighbour needed
-        to tune."""
+        to tune. ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
+        ``data_dir``; ``milvus://host:port/collection``: a Milvus collection)."""
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
@@ -64,15 +85,24 @@ class EngineCore:
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
         self.words = WordConfig()
-        self.datastore = Datastore.open(
-            self.data_dir / "datastore",
-            dim=None if readonly else encoder.dim,
-            readonly=readonly,
-            shared=shared,
-            # refused when the store's keys were made in another precision (never mixed)
-            key_precision=encoder.precision,
-        )
-        self.index = MemoryIndex(self.datastore, self.data_dir / "index")
+        milvus = parse_memory_url(memory_url)
+        self.memory: MemoryBackend
+        if milvus is None:
+            self.datastore = Datastore.open(
+                self.data_dir / "datastore",
+                dim=None if readonly else encoder.dim,
+                readonly=readonly,
+                shared=shared,
+                # refused when the store's keys were made in another precision (never mixed)
+                key_precision=encoder.precision,
+            )
+            self.index = MemoryIndex(self.datastore, self.data_dir / "index")
+            self.memory = FaissMemory(self.datastore, self.index)
+        else:
+            # The memory is the collection: no datastore files, no index versions here.
+            self.datastore = cast(Datastore, FaissOnly("datastore", milvus))
+            self.index = cast(MemoryIndex, FaissOnly("index", milvus))
+            self.memory = open_milvus(milvus, encoder.dim)
         self._write_lock = threading.Lock()  # one appender per process
         self._build_lock = threading.RLock()  # building(): this process's holder
         self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
@@ -82,9 +112,18 @@ class EngineCore:
         self.calibration = ServedCalibration(
             self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared, default=default
         )
-        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        self.calibration.load_for(self.data_dir / "index", self.served_version)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
         self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
+
+    @property
+    def on_milvus(self) -> bool:
+        return self.memory.name == "milvus"
+
+    @property
+    def served_version(self) -> int | None:
+        """The faiss index version served (None with Milvus: it has no versions here)."""
+        return None if self.on_milvus else self.index.version
 
     @property
     def knn(self) -> KnnParams:
@@ -114,7 +153,7 @@ class EngineCore:
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours
         width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
-        dist, ids, vals = self.index.search_values(out.keys, width)
+        dist, ids, vals = self.memory.search(out.keys, width)
         lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
         scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
@@ -159,6 +198,9 @@ class EngineCore:
         data directory) sees every entry the others committed before it appends.
         """
         self._check_writer()
+        if self.on_milvus:  # a document's append is idempotent: writers need no turns
+            yield
+            return
         with self.datastore.exclusive():
             if self.shared:
                 self.index.refresh()
@@ -170,6 +212,8 @@ class EngineCore:
 
     def sync(self) -> int:
         """Make entries other processes appended searchable (read-only and shared engines)."""
+        if self.on_milvus:
+            return self.memory.refresh()
         return self.index.refresh() if self.readonly or self.shared else 0
 
     def _check_writer(self) -> None:
@@ -178,6 +222,10 @@ class EngineCore:
 
     def reload_index(self) -> bool:
         """Serve the newest built version (and its calibrator) if another process built one."""
+        if self.on_milvus:  # follow an index another process re-created
+            self.memory.refresh()
+            self.calibration.load_for(self.data_dir / "index", None)
+            return False
         changed = self.index.reload()
         self.calibration.load_for(self.data_dir / "index", self.index.version)
         return changed

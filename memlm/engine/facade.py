@@ -9,6 +9,7 @@ from memlm.datastore import Datastore
 from memlm.encoder import BUNDLED_MODEL, Encoder, WindowConfig
 from memlm.engine.build import BuildMixin
 from memlm.engine.forget import ForgetMixin
+from memlm.engine.generation import GenerateMixin
 from memlm.engine.ingest import IngestMixin
 from memlm.engine.predict import PredictMixin
 from memlm.engine.score import ScoreMixin
@@ -21,7 +22,9 @@ from memlm.policy import Policy, make_policy
 log = logging.getLogger(__name__)
 
 
-class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin):
+class Engine(
+    IngestMixin, GenerateMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin
+):
     """Encoder + datastore + memory index of one data directory."""
 
     @classmethod
@@ -45,6 +48,7 @@ class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, Sta
         tune_min_tokens: int = MIN_TUNE_TOKENS,
         precision: str = "float32",
         device: str = "cpu",
+        memory_url: str | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -71,4 +75,5 @@ class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, Sta
             shared=shared,
             grid=grid,
             tune_min_tokens=tune_min_tokens,
+            memory_url=memory_url,
         )

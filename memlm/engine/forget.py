@@ -24,7 +24,10 @@ class ForgetMixin(EngineCore):
         self._check_writer()
         ids = None if text is None else self.encoder.tokenize(text)
         with self.exclusive(), self._write_lock:
-            hidden = self.datastore.delete_document(doc_id, entries=entries)
+            if self.on_milvus:  # deleted from the collection: gone for every reader at once
+                hidden = self.memory.delete_document(doc_id)
+            else:
+                hidden = self.datastore.delete_document(doc_id, entries=entries)
             if ids is not None:
                 self.calibration.forget(ids, doc_id)
         self.heldout.drop_document(doc_id)
@@ -34,5 +37,10 @@ class ForgetMixin(EngineCore):
 
     def hide_documents(self, doc_ids: list[int]) -> int:
         """Stop serving these documents' entries now, before the writer deletes them (a
-        forget requested, not yet applied); see ``MemoryIndex.hide_documents``."""
+        forget requested, not yet applied); see ``MemoryIndex.hide_documents``. On Milvus
+        they are deleted from the collection now (the writer's forget then finds none)."""
+        if self.on_milvus:
+            for d in doc_ids:
+                self.memory.delete_document(d)
+            return len(doc_ids)
         return self.index.hide_documents(doc_ids)

@@ -81,6 +81,8 @@ class IngestMixin(EngineCore):
         self._check_writer()
         out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
         n = int(mask.sum())
+        if self.on_milvus:
+            return self._store_milvus(prep, n, crash_at)
         with self.exclusive(), self._write_lock:
             first = len(self.datastore)
             if n:
@@ -124,7 +126,7 @@ class IngestMixin(EngineCore):
         if search is not None and search[0].shape[1] >= width:
             dist, vals = search[0][rows, :width], search[1][rows, :width]
         else:
-            dist, _, vals = self.index.search_values(out.keys[rows], width)
+            dist, _, vals = self.memory.search(out.keys[rows], width)
         n = len(rows)
         self.heldout.record(
             doc_id,
@@ -142,6 +144,26 @@ class IngestMixin(EngineCore):
                 "doc": np.full(n, doc_id, np.int64),
             },
         )
+
+    def _store_milvus(self, prep: PreparedDocument, n: int, crash_at: str | None) -> IngestResult:
+        """Write the document's entries to Milvus (replacing any of an earlier try: the ids
+        are deterministic); no local id range exists, so the result names none."""
+        out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
+        with self._write_lock:
+            if n:
+                self.memory.append(
+                    out.keys[mask],
+                    out.targets[mask],
+                    np.full(n, doc_id, np.int64),
+                    out.positions[mask],
+                    np.full(n, prep.day, np.int32),
+                )
+            else:  # nothing to store: an earlier, killed try may have stored some
+                self.memory.delete_document(doc_id)
+            self.calibration.observe(prep.token_ids, doc_id)
+        if crash_at == "after_append":
+            raise SimulatedCrash("engine: crash after the append, before the caller commits")
+        return IngestResult(len(out), n, None, None)
 
     def truncate_datastore(self, n: int) -> None:
         """Roll back entries with ids >= n (their documents were never committed)."""

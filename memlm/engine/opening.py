@@ -76,6 +76,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
             min_tokens=settings.calibrator_min_tokens,
             max_tokens=settings.calibrator_max_tokens,
         ),
+        memory_url=settings.memory_url,
         **extra,
     )
     return engine

@@ -118,7 +118,7 @@ class PredictMixin(EngineCore):
             found = self._neighbours(nxt.eids[r], nxt.vals[r], nxt.dist[r], neighbours)
             out.append(
                 Prediction(
-                    sugg, float(nxt.lam[r]), found, len(ids), word_lists[r], self.index.version
+                    sugg, float(nxt.lam[r]), found, len(ids), word_lists[r], self.served_version
                 )
             )
         return out
@@ -152,7 +152,7 @@ class PredictMixin(EngineCore):
         eids = np.full((n, k), -1, np.int64)
         vals = np.full((n, k), -1, np.int32)
         if looked_up.any():
-            dist[looked_up], eids[looked_up], vals[looked_up] = self.index.search_values(
+            dist[looked_up], eids[looked_up], vals[looked_up] = self.memory.search(
                 keys[looked_up].float().numpy(), k
             )
         kk, temperature = served.params.k, served.params.temperature
@@ -262,7 +262,7 @@ class PredictMixin(EngineCore):
         sel = sel[sel >= 0]
         if not n or not len(sel):
             return []
-        docs, pos, days = self.datastore.provenance(sel)
+        docs, pos, days = self.memory.provenance(sel)
         toks = self.encoder.token_strings(vals[: len(sel)].tolist())
         return [
             Neighbour(int(e), int(dd), int(p), tok, int(v), float(di), int(dy))

@@ -16,8 +16,10 @@ from memlm.words import WordSuggestion
 class IngestResult:
     tokens_seen: int
     tokens_stored: int
-    first_entry: int  # datastore ids [first_entry, end_entry) hold this document's entries
-    end_entry: int
+    # datastore ids [first_entry, end_entry) hold this document's entries (None on Milvus:
+    # its ids are doc_id * 2**24 + position, memlm.memory.milvus_backend)
+    first_entry: int | None
+    end_entry: int | None
 
 
 @dataclass(frozen=True)

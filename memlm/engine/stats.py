@@ -20,6 +20,8 @@ class StatsMixin(EngineCore):
         return fresh + built * (info.params.m + 8)
 
     def stats(self) -> dict[str, Any]:
+        if self.on_milvus:
+            return self._stats_milvus()
         ds = self.datastore.stats()
         idx = self.index.stats()
         index_bytes = (
@@ -28,6 +30,7 @@ class StatsMixin(EngineCore):
             else 0
         )
         return {
+            "backend": "faiss",
             "entries": ds["live_entries"],
             "datastore_entries": ds["entries"],
             "datastore_rows": ds["rows"],
@@ -40,6 +43,25 @@ class StatsMixin(EngineCore):
             "model": self.encoder.name,
             "device": str(self.encoder.device),
             "precision": self.encoder.precision,  # of the transformer (MEMLM_PRECISION)
+            "policy": self.policy.name,
+            "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
+            "interpolation": self.served.to_json(),
+            "calibrator": self._calibrator_stats(),
+        }
+
+    def _stats_milvus(self) -> dict[str, Any]:
+        """The collection's own count and index; no local files hold entries."""
+        mem = self.memory.stats()
+        return {
+            "backend": "milvus",
+            "entries": mem["entries"],
+            "datastore_entries": mem["entries"],  # no local files: the collection's count
+            "bytes_on_disk": None,
+            "bytes_in_ram": None,
+            "memory": mem,
+            "index_version": None,
+            "index": mem["index"],
+            "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
             "interpolation": self.served.to_json(),

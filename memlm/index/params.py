@@ -55,9 +55,9 @@ class IndexParams:
     train_size: int = TRAIN_PER_LIST * 4096
     # re-rank 4x k PQ candidates exactly: DATA.md measured recall@1024 0.72 -> 0.83.
     rerank_factor: int = 4
-    # ... and at least this many: PQ codes of 16-48 bytes order a 576-d key's nearest
-    # 64 too coarsely for 4x to hold them (recall@64 0.77 with 4x at 60k real keys);
-    # 1024 fp16 keys are ~1.2 MB read per query.
+    # ... and at least this many: 48-byte PQ codes order a 576-d key's nearest 64 too
+    # coarsely for 4x to hold them (recall@64 0.80 with 256 candidates, 0.905 with 1024,
+    # at 1.1M stretched real keys: bench_scale.py --rerank-sweep); 1.2 MB read per query.
     rerank_min: int = 1024
     # seed of the training sample and of k-means, so a rebuild is reproducible.
     seed: int = 0

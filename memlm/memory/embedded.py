@@ -1,0 +1,109 @@
+"""A local Milvus standalone server from the PyPI package ``milvus`` (tests, benchmarks).
+
+``milvus==2.3.5`` ships the server binary; it needs ``pkg_resources`` (``setuptools<70``).
+Production runs against Milvus standalone or Distributed by URL (docs/service.md); this
+module only starts the embedded one, in its own base directory, on free ports.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Startup on this machine kind: ~15 s (the binary is unpacked the first time).
+START_TIMEOUT_S = 120.0
+
+
+class MilvusUnavailable(RuntimeError):
+    """The embedded Milvus server cannot start here (package missing, no binary, timeout)."""
+
+
+@dataclass
+class EmbeddedMilvus:
+    """A running embedded server: where to connect and how to stop it."""
+
+    server: Any
+    host: str
+    port: int
+    base_dir: Path
+    start_seconds: float
+
+    @property
+    def url(self) -> str:
+        """The ``MEMLM_MEMORY_URL`` prefix of this server (append ``/collection``)."""
+        return f"milvus://{self.host}:{self.port}"
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process (0 when it is gone)."""
+        proc = getattr(self.server, "server_proc", None)
+        if proc is None:
+            return 0
+        try:
+            text = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        if self.server is None:  # a server this process did not start
+            return
+        proc = getattr(self.server, "server_proc", None)
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)  # the package waits only 1 s before a kill
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.server.stop()
+
+
+def start_embedded(base_dir: Path, *, timeout: float = START_TIMEOUT_S) -> EmbeddedMilvus:
+    """Start a Milvus standalone server with its data under ``base_dir``.
+
+    Raises ``MilvusUnavailable`` with the reason when it cannot start here.
+    """
+    if importlib.util.find_spec("milvus") is None:
+        raise MilvusUnavailable("the package 'milvus' (pip install milvus==2.3.5) is missing")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # its pkg_resources import
+            from milvus import MilvusServer
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to report
+        raise MilvusUnavailable(f"cannot import milvus: {type(exc).__name__}: {exc}") from exc
+    base_dir = Path(base_dir)
+    base_dir.mkdir(parents=True, exist_ok=True)
+    server = MilvusServer(wait_for_started=False)
+    server.set_base_dir(str(base_dir))
+    t0 = time.perf_counter()
+    old_cwd = os.getcwd()
+    try:
+        with warnings.catch_warnings():
+            # its port search leaves the sockets of ports it could not bind to the GC
+            warnings.simplefilter("ignore", ResourceWarning)
+            server.start()  # resolves free ports (19530 and up), unpacks the binary once
+            gc.collect()
+        server.wait_started(timeout=int(timeout * 1000))
+    except Exception as exc:  # noqa: BLE001
+        os.chdir(old_cwd)
+        server.stop()
+        log_file = base_dir / "logs" / "milvus-stderr.log"
+        tail = ""
+        if log_file.exists():
+            tail = " | ".join(log_file.read_text(errors="replace").splitlines()[-3:])
+        raise MilvusUnavailable(
+            f"Milvus did not start in {timeout:.0f} s: {type(exc).__name__}: {exc} {tail}"
+        ) from exc
+    return EmbeddedMilvus(
+        server, "127.0.0.1", int(server.listen_port), base_dir, time.perf_counter() - t0
+    )

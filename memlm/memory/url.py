@@ -1,0 +1,75 @@
+"""``MEMLM_MEMORY_URL``: which memory backend serves (the contract other tools set).
+
+Unset, empty or ``faiss``: the embedded files in the data directory.
+``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30]``: a Milvus
+server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+DEFAULT_PORT = 19530
+# Milvus collection names: a letter or underscore, then letters, digits, underscores.
+_COLLECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
+CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
+
+
+@dataclass(frozen=True)
+class MilvusURL:
+    host: str
+    port: int
+    collection: str
+    # Session: a worker's searches see its own inserts at once, others' within ~0.2 s
+    # (the time tick); Strong would make every search wait for the next tick.
+    consistency: str = "Session"
+    rerank: bool = False  # see MilvusMemory: re-rank IVF_PQ candidates from stored keys
+    timeout: float = 60.0  # seconds per call; a server that hangs is an error, not a wait
+
+    def __str__(self) -> str:
+        return f"milvus://{self.host}:{self.port}/{self.collection}"
+
+
+def parse_memory_url(url: str | None) -> MilvusURL | None:
+    """None for the embedded faiss memory; the Milvus address otherwise.
+
+    Raises ``ValueError`` naming what is wrong (settings validate it at start-up).
+    """
+    if url is None or url.strip() in ("", "faiss"):
+        return None
+    parts = urlsplit(url.strip())
+    if parts.scheme != "milvus":
+        raise ValueError(
+            f"memory URL must be 'faiss' or milvus://host:port/collection, got {url!r}"
+        )
+    if not parts.hostname:
+        raise ValueError(f"memory URL {url!r} names no host")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError as exc:
+        raise ValueError(f"memory URL {url!r}: bad port") from exc
+    collection = parts.path.lstrip("/")
+    if not _COLLECTION.match(collection):
+        raise ValueError(
+            f"memory URL {url!r}: the path must be a Milvus collection name "
+            "(letters, digits and underscores, not starting with a digit)"
+        )
+    opts = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
+    unknown = set(opts) - {"consistency", "rerank", "timeout"}
+    if unknown:
+        raise ValueError(f"memory URL {url!r}: unknown options {sorted(unknown)}")
+    consistency = opts.get("consistency", "Session")
+    if consistency not in CONSISTENCY_LEVELS:
+        raise ValueError(f"memory URL: consistency must be one of {CONSISTENCY_LEVELS}")
+    rerank = opts.get("rerank", "0")
+    if rerank not in ("0", "1"):
+        raise ValueError("memory URL: rerank must be 0 or 1")
+    try:
+        timeout = float(opts.get("timeout", "60"))
+    except ValueError as exc:
+        raise ValueError("memory URL: timeout must be a number of seconds") from exc
+    if timeout <= 0:
+        raise ValueError("memory URL: timeout must be > 0")
+    return MilvusURL(parts.hostname, port, collection, consistency, rerank == "1", timeout)

@@ -1,0 +1,133 @@
+"""The ``milvus`` memory against a real Milvus server (tests/milvus_fixtures.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memlm.index import IndexParams
+from memlm.memory import open_milvus
+from memlm.memory.milvus_backend import MilvusMemoryError, entry_ids
+
+pytestmark = pytest.mark.milvus
+
+DIM = 16
+
+
+def _entries(rng: np.random.Generator, doc: int, n: int, day: int = 7):
+    keys = rng.standard_normal((n, DIM)).astype(np.float32)
+    values = rng.integers(0, 1000, n).astype(np.int32)
+    return keys, values, np.full(n, doc), np.arange(n) * 2 + 1, np.full(n, day)
+
+
+def _brute(keys: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    d = ((q[:, None, :] - keys[None, :, :]) ** 2).sum(-1)
+    order = np.argsort(d, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(d, order, 1), order
+
+
+def test_append_search_provenance_delete(milvus_url: str) -> None:
+    rng = np.random.default_rng(0)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        assert mem.count() == 0
+        empty = mem.search(rng.standard_normal((2, DIM)), 3)
+        assert (empty.ids == -1).all() and np.isinf(empty.distances).all()
+        a = _entries(rng, 5, 40)
+        b = _entries(rng, 9, 30, day=8)
+        ids_a = mem.append(*a)
+        ids_b = mem.append(*b)
+        assert ids_a.tolist() == entry_ids(np.full(40, 5), a[3]).tolist()
+        assert mem.count() == 70
+        keys = np.concatenate([a[0], b[0]])
+        all_ids = np.concatenate([ids_a, ids_b])
+        values = np.concatenate([a[1], b[1]])
+        q = rng.standard_normal((5, DIM)).astype(np.float32)
+        dist, ids, vals = mem.search(q, 8)
+        bd, bi = _brute(keys, q, 8)
+        assert ids.tolist() == all_ids[bi].tolist()
+        assert vals.tolist() == values[bi].tolist()
+        np.testing.assert_allclose(dist, bd, rtol=1e-4, atol=1e-4)
+        docs, pos, days = mem.provenance(ids[0, :3])
+        want = bi[0, :3]
+        assert docs.tolist() == [5 if j < 40 else 9 for j in want]
+        assert pos.tolist() == [int(np.concatenate([a[3], b[3]])[j]) for j in want]
+        assert days.tolist() == [7 if j < 40 else 8 for j in want]
+        # forget: a document's entries leave every later search, once
+        assert mem.delete_document(5) == 40
+        assert mem.delete_document(5) == 0
+        assert mem.count() == 30
+        _, ids2, _ = mem.search(q, 40)
+        assert set(ids2[ids2 >= 0].tolist()) == set(ids_b.tolist())
+        assert (ids2[:, 30:] == -1).all()
+        st = mem.stats()
+        assert st["backend"] == "milvus" and st["entries"] == 30
+        assert st["server_version"].startswith("v2.3")
+    finally:
+        mem.close()
+
+
+def test_writing_a_document_again_replaces_its_entries(milvus_url: str) -> None:
+    """A retry after a crash between the insert and the commit: no duplicates, no orphans
+    (the second try may store another subset of the document's positions)."""
+    rng = np.random.default_rng(1)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 3, 20)
+        mem.append(keys, vals, docs, pos, days)
+        mem.append(keys[5:12], vals[5:12], docs[5:12], pos[5:12], days[5:12])
+        assert mem.count() == 7
+        _, ids, _ = mem.search(keys[:1], 20)
+        assert sorted(ids[ids >= 0].tolist()) == entry_ids(docs[5:12], pos[5:12]).tolist()
+    finally:
+        mem.close()
+
+
+def test_bad_input_is_refused_before_writing(milvus_url: str) -> None:
+    rng = np.random.default_rng(2)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 1, 4)
+        with pytest.raises(ValueError, match="shape"):
+            mem.append(keys[:, :3], vals, docs, pos, days)
+        with pytest.raises(ValueError, match="same"):
+            mem.append(keys, vals, docs, np.zeros(4), days)
+        with pytest.raises(ValueError, match="positions"):
+            mem.append(keys, vals, docs, pos + (1 << 24), days)
+        with pytest.raises(ValueError, match="document ids"):
+            mem.append(keys, vals, -docs, pos, days)
+        assert mem.count() == 0
+    finally:
+        mem.close()
+    # an existing collection of another dimension is refused by name
+    with pytest.raises(MilvusMemoryError, match="dim 16"):
+        open_milvus(milvus_url, 32)
+
+
+def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> None:
+    rng = np.random.default_rng(3)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 1, 3000)
+        mem.append(keys, vals, docs, pos, days)
+        params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=3000)
+        info = mem.build(params)
+        assert info["index_recreated"] is True and info["entries"] == 3000
+        assert mem.stats()["index"] == {
+            "kind": "ivfpq",
+            "nlist": 16,
+            "m": 4,
+            "nbits": 8,
+            "nprobe": 16,
+        }
+        # nprobe == nlist: every list is scanned, so the top hit of a stored key is itself
+        _, ids, _ = mem.search(keys[:20], 1)
+        assert ids[:, 0].tolist() == entry_ids(docs[:20], pos[:20]).tolist()
+        again = open_milvus(milvus_url, DIM)  # another process sees the same index
+        try:
+            assert again.params.kind == "ivfpq" and again.count() == 3000
+        finally:
+            again.close()
+        assert mem.build(params)["index_recreated"] is False
+    finally:
+        mem.close()

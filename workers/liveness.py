@@ -1,0 +1,78 @@
+"""Which ingest workers are alive, when they share no filesystem (the Milvus memory).
+
+With the faiss memory every worker runs on one data directory and holds a ``flock`` named
+after it there (``workers.ingest.worker_lock_path``). Workers on different machines that
+share only PostgreSQL and Milvus hold a session-level PostgreSQL advisory lock instead, on
+a connection of their own for their whole life: the server drops it when the process dies
+(its connection closes), so, like ``flock``, there is no stale lock to clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from sqlalchemy import Connection, NullPool, create_engine, text
+
+from memlm.locks import LockBusy
+
+
+def advisory_key(db_url: str, name: str) -> int:
+    """A signed 64-bit advisory-lock key for a worker name (per database URL)."""
+    digest = hashlib.blake2b(f"memlm-worker\0{db_url}\0{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+class PgWorkerLock:
+    """The worker's "I am alive" lock in PostgreSQL (``FileLock``'s interface)."""
+
+    def __init__(self, db_url: str, name: str) -> None:
+        self.db_url = db_url
+        self.name = name
+        self.path = f"pg_advisory_lock({advisory_key(db_url, name)}) for worker {name}"
+        self._engine = create_engine(db_url, poolclass=NullPool)
+        self._conn: Connection | None = None
+
+    def acquire(self, timeout: float | None = None, poll: float = 0.5) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self._engine.connect()
+        key = advisory_key(self.db_url, self.name)
+        while True:
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+            conn.commit()
+            if got:
+                self._conn = conn
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                conn.close()
+                raise LockBusy(f"{self.path} is held by another process")
+            time.sleep(poll)
+
+    def release(self) -> None:
+        if self._conn is not None:
+            key = advisory_key(self.db_url, self.name)
+            try:
+                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                self._conn.commit()
+            finally:
+                self._conn.close()
+                self._conn = None
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None
+
+
+def pg_worker_alive(db_url: str, name: str) -> bool:
+    """Whether a live process holds worker ``name``'s advisory lock now."""
+    eng = create_engine(db_url, poolclass=NullPool)
+    try:
+        with eng.connect() as conn:
+            key = advisory_key(db_url, name)
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+            if got:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            conn.commit()
+            return not got
+    finally:
+        eng.dispose()
