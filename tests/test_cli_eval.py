@@ -166,3 +166,52 @@ def test_stride_equal_to_context_is_refused_naming_the_largest_legal_one(
     assert captured == []
     ok = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), "--stride", "511"])
     assert ok.exit_code == 0 and captured[0].window.stride == 511
+
+
+def test_stream_options(captured: list[Any], tmp_path: Path) -> None:
+    args = ["eval", "--out", str(tmp_path), "--resume", "--no-dedup", "--dev-share", "0.05"]
+    args += ["--test-share", "0.04", "--forgetting", "fullmem", "--no-names"]
+    args += ["--finetune-lr", "1e-5", "--ood-dir", str(tmp_path), "--ood-tokens", "100"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (cfg,) = captured
+    assert (cfg.resume, cfg.dedup, cfg.dev_share, cfg.test_share) == (True, False, 0.05, 0.04)
+    assert (cfg.forgetting_policies, cfg.names, cfg.finetune_lr) == (("fullmem",), False, 1e-5)
+    assert (cfg.ood_dir, cfg.ood_tokens) == (str(tmp_path), 100)
+
+
+def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (cfg,) = captured
+    assert (cfg.resume, cfg.dedup, cfg.names, cfg.finetune_lr, cfg.ood_dir) == (
+        False,
+        True,
+        True,
+        None,
+        None,
+    )
+    assert cfg.forgetting_policies == ("fullmem", "monim")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dev-share", "0"], "must be in (0,"),
+        (["--test-share", "0.6"], "must be in (0,"),
+        (["--finetune-lr", "2"], "must be in (0, 1)"),
+    ],
+)
+def test_bad_stream_options_are_refused(
+    captured: list[Any], tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2 and not captured
+    assert message in " ".join(result.output.split())
+
+
+def test_ood_dir_without_the_corpora_is_refused(tmp_path: Path) -> None:
+    from memlm.evaluate.ood import OodError, load_ood
+
+    with pytest.raises(OodError, match="needs a gensim wheel"):
+        load_ood(tmp_path, None, 100, None)  # type: ignore[arg-type]

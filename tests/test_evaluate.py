@@ -178,6 +178,7 @@ def test_trime_local_memory_is_tuned_on_dev(tmp_path, enc, monkeypatch):
         k_max=8,
         grid=TuneGrid(ks=(8,), temperatures=(1.0,), lambdas=(0.1,)),
         trime=TrimeSpec(long_segments=1, taus=(0.05, 1.0, 50.0)),
+        dedup=False,  # the documents are copies of one text by design
     )
     plain = evaluate(
         EvalConfig(**{**cfg.__dict__, "trime": None}), docs, tmp_path / "a", encoder=enc, echo=str

@@ -80,6 +80,32 @@ def eval_command(
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
     ),
+    dev_share: float = typer.Option(0.02, help="share of each day's documents held out as dev"),
+    test_share: float = typer.Option(0.02, help="share of each day's documents held out as test"),
+    dedup: bool = typer.Option(
+        True,
+        help="drop exact and near-duplicate documents; keep held-out documents that overlap "
+        "the memory by more than 5 percent of their 13-grams out of dev and test (--no-dedup: the plans "
+        "of the tables made before it)",
+    ),
+    resume: bool = typer.Option(
+        False, help="go on from each policy's last finished day in OUT/work (nothing re-encodes)"
+    ),
+    forgetting: str = typer.Option(
+        "fullmem,monim", help="policies whose test sets are re-scored at every month's end"
+    ),
+    names: bool = typer.Option(True, help="name-token accuracy and perplexity"),
+    ood_dir: Path | None = typer.Option(
+        None,
+        help="folder with a gensim wheel and the unpacked bible-kjv (kjv/usr/bin/bible): "
+        "out-of-domain perplexity after the stream (memlm/evaluate/ood.py says how to fill it)",
+    ),
+    ood_tokens: int = typer.Option(6000, help="tokens per out-of-domain corpus"),
+    finetune_lr: float | None = typer.Option(
+        None,
+        help="also run the continual fine-tuning baseline (full weights, one epoch a day, "
+        "AdamW at this learning rate, e.g. 1e-5); slow: about 3 forward passes per token",
+    ),
     precision: str = typer.Option(
         "auto",
         envvar="MEMLM_PRECISION",
@@ -98,6 +124,8 @@ def eval_command(
     from memlm.corpus import load_corpus
     from memlm.encoder import WindowConfig
     from memlm.evaluate import EvalConfig, SplitError, TrimeSpec, evaluate
+    from memlm.evaluate.harness import ResumeMismatch
+    from memlm.evaluate.ood import OodError
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
@@ -146,6 +174,12 @@ def eval_command(
             "--gate-theta must be in [0, 1) and needs --lambda calibrated",
             param_hint="--gate-theta",
         )
+    if finetune_lr is not None and not 0.0 < finetune_lr < 1.0:
+        raise typer.BadParameter("--finetune-lr must be in (0, 1)", param_hint="--finetune-lr")
+    if not (0.0 < dev_share < 0.5 and 0.0 < test_share < 0.5):
+        raise typer.BadParameter(
+            "--dev-share and --test-share must be in (0, 0.5)", param_hint="--dev-share"
+        )
     try:
         window = WindowConfig(context=context, stride=stride, batch_size=batch_size)
     except ValueError as exc:  # e.g. --stride equal to --context: name the largest legal one
@@ -176,6 +210,15 @@ def eval_command(
         trime=TrimeSpec(long_segments=long_memory) if local_memory or long_memory else None,
         lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
+        dev_share=dev_share,
+        test_share=test_share,
+        dedup=dedup,
+        resume=resume,
+        forgetting_policies=tuple(p.strip() for p in forgetting.split(",") if p.strip()),
+        names=names,
+        finetune_lr=finetune_lr,
+        ood_dir=None if ood_dir is None else str(ood_dir),
+        ood_tokens=ood_tokens,
     )
     from memlm.encoder import Encoder, EncoderError
 
@@ -188,6 +231,10 @@ def eval_command(
         report = evaluate(cfg, load_corpus(corpus), out, encoder=encoder, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
+    except ResumeMismatch as exc:
+        raise typer.BadParameter(str(exc), param_hint="--resume") from exc
+    except OodError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
     from memlm.evaluate import render_markdown
 
     typer.echo(render_markdown(report))

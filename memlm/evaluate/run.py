@@ -1,0 +1,261 @@
+"""One policy over the stream: ingest each day, rebuild, search the held-out tokens."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memlm.corpus import Document
+from memlm.datastore import Datastore
+from memlm.encoder import TokenOutputs, WindowConfig
+from memlm.evaluate import checkpoint
+from memlm.evaluate.cache import TokenCache
+from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
+from memlm.evaluate.forgetting import Rescore
+from memlm.evaluate.plan import DayPlan, day_number
+from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
+from memlm.index import IndexParams, MemoryIndex, build_index, prune
+from memlm.interpolation import (
+    MIN_TUNE_TOKENS,
+    SERVED_DEFAULT,
+    SERVED_GRID,
+    TuneGrid,
+    choose_constant,
+)
+from memlm.knnlm import KnnParams
+from memlm.lexical import LexicalStats
+from memlm.policy import Policy, TokenScores, token_scores
+
+
+@dataclass(frozen=True)
+class TrimeSpec:
+    """TRIME local (and long-term) memory inside the LM's softmax (TRIME Eq. 5/6)."""
+
+    long_segments: int = 0  # earlier windows of the same document; 0: local memory only
+    # SmolLM2 key similarities are ~2-3.5 against logit log-sum-exps of 12-31, so the
+    # grid reaches small tau (docs/trime.md)
+    taus: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+    def columns(self, o: TokenOutputs, window: WindowConfig) -> np.ndarray:
+        from memlm.trime_memory import cached_doc_logprobs
+
+        if len(o) == 0:
+            return np.zeros((0, len(self.taus)))
+        return cached_doc_logprobs(
+            o.keys,
+            o.targets,
+            o.target_logprob,
+            o.lse,
+            o.positions,
+            window.windows(int(o.positions[-1]) + 1),
+            long_tokens=self.long_segments * window.context,
+            taus=self.taus,
+        )
+
+
+def _month(d: dt.date) -> str:
+    return f"{d.year:04d}-{d.month:02d}"
+
+
+def _resume(workdir: Path, cache: TokenCache, state: RunState) -> tuple[Datastore, MemoryIndex]:
+    """The datastore cut back to the checkpoint, serving the checkpointed index version."""
+    ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
+    if len(ds) != state.datastore_len:  # entries of the unfinished day
+        ds.truncate(state.datastore_len)
+    index = MemoryIndex(ds, workdir / "index")
+    index.serve(state.index_version)
+    index.refresh()
+    return ds, index
+
+
+def run_policy(
+    policy: Policy | None,
+    plans: Sequence[DayPlan],
+    cache: TokenCache,
+    workdir: Path,
+    *,
+    ingest_params: KnnParams | None,
+    k_max: int,
+    index_kind: str = "auto",
+    on_day: Callable[[DayStats], None] | None = None,
+    trime: TrimeSpec | None = None,
+    served_grid: TuneGrid = SERVED_GRID,
+    served_default: KnnParams = SERVED_DEFAULT,
+    served_min_tokens: int = MIN_TUNE_TOKENS,
+    resume: bool = False,
+    rescore: Rescore | None = None,
+    crash_at: int | None = None,
+    ood: Mapping[str, Sequence[Document]] | None = None,
+) -> PolicyRun:
+    """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
+
+    ``ingest_params``: the constant MoNIM scores with; None: the interpolation the service
+    would serve, ``served_default`` until the dev tokens of the days so far (each searched
+    against its evening's memory, as the service's held-out tokens are) choose one from
+    ``served_grid`` after an evening's build, as the service does at its nightly build.
+
+    Every finished day is checkpointed (memlm.evaluate.checkpoint); ``resume`` goes on
+    from the last one.  ``rescore``: at the end of each month of the plan, every test
+    document of the plan is searched again against the memory of that evening (the
+    learning and forgetting table).  ``crash_at``: raise after that day's checkpoint.
+    ``ood``: out-of-domain documents searched against the memory after the last day.
+    """
+    name = policy.name if policy is not None else "bare"
+    state = checkpoint.load(workdir) if resume else None
+    if state is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        state = RunState(
+            served={
+                "params": ingest_params or served_default,
+                "source": "fixed" if ingest_params is not None else "default",
+            }
+        )
+    dev, test = checkpoint.load_eval(workdir, len(state.days))
+    if state.finished:
+        return PolicyRun(
+            name,
+            state.days,
+            dev.arrays(k_max),
+            test.arrays(k_max),
+            state.days[-1].entries if state.days else 0,
+            state.seen,
+            state.stored,
+            ood=_load_ood(workdir, ood),
+        )
+    ds, index = _resume(workdir, cache, state)
+    lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
+    for day_index in range(len(state.days), len(plans)):
+        plan = plans[day_index]
+        t0 = time.perf_counter()
+        dnum = day_number(plan.day)
+        day_seen = day_stored = 0
+        knn: KnnParams = state.served["params"]
+        asked = {
+            "k": knn.k,
+            "temperature": knn.temperature,
+            "lambda": knn.lmbda,
+            "source": state.served["source"],
+        }
+        outs = cache.get_many([d.text for d in plan.train])
+        for o in outs:
+            state.doc_no += 1
+            n = len(o)
+            lexical.update(np.concatenate([o.prev_tokens[:1], o.targets]))
+            day_seen += n
+            if policy is None or n == 0:
+                continue
+            if policy.needs_augmented:
+                dist, _, vals = index.search_values(o.keys, knn.k)
+                scores = token_scores(cache.encoder, o, dist, vals, knn)
+            else:
+                nan = np.full(n, np.nan)
+                scores = TokenScores(nan, nan, o.key_ce)
+            mask = policy.decide(scores)
+            if mask.any():
+                ds.append(
+                    o.keys[mask].astype(np.float16),
+                    o.targets[mask].astype(np.int32),
+                    np.full(int(mask.sum()), state.doc_no, np.int64),
+                    o.positions[mask],
+                    np.full(int(mask.sum()), dnum, np.int32),
+                )
+                index.refresh()
+            day_stored += int(mask.sum())
+        t_build = time.perf_counter()
+        if policy is not None and len(ds) > 0:
+            params = (
+                IndexParams.exact()
+                if index_kind == "flat"
+                else IndexParams.for_size(ds.num_live, ds.dim)
+            )
+            build_index(ds, workdir / "index", params, progress=False)
+            index.reload()
+            prune(workdir / "index", keep=2)  # this evening's and the checkpointed one
+        t_search = time.perf_counter()
+        day_dev, day_test = EvalTokens(), EvalTokens()
+        for split, docs in (("dev", plan.dev), ("test", plan.test)):
+            target = day_dev if split == "dev" else day_test
+            for i, o in enumerate(cache.get_many([d.text for d in docs])):
+                dist, _, vals = index.search_values(o.keys, k_max)
+                cols = None if trime is None else trime.columns(o, cache.window)
+                target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
+        extend(dev, day_dev)
+        extend(test, day_test)
+        last_of_month = day_index + 1 == len(plans) or _month(plans[day_index + 1].day) != _month(
+            plan.day
+        )
+        if rescore is not None and policy is not None and last_of_month:
+            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz")
+        if ingest_params is None and policy is not None and policy.needs_augmented:
+            choice = choose_constant(
+                dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
+            )
+            state.served = {"params": choice.params, "source": choice.source}
+        state.seen += day_seen
+        state.stored += day_stored
+        stats = DayStats(
+            plan.day.isoformat(),
+            day_seen,
+            day_stored,
+            ds.num_live,
+            time.perf_counter() - t0,
+            asked if policy is not None and policy.needs_augmented else {},
+            ingest_seconds=round(t_build - t0, 3),
+            build_seconds=round(t_search - t_build, 3),
+            search_seconds=round(time.perf_counter() - t_search, 3),
+        )
+        state.days.append(stats)
+        state.datastore_len, state.index_version = len(ds), index.version
+        state.finished = day_index + 1 == len(plans)
+        if state.finished and ood:
+            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir)
+        checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
+        lexical.save(workdir / "lexical.npz")
+        checkpoint.save(workdir, state)
+        if on_day:
+            on_day(stats)
+        if crash_at == day_index:
+            raise SimulatedInterruption(f"{name}: interrupted after day {day_index}")
+    return PolicyRun(
+        name,
+        state.days,
+        dev.arrays(k_max),
+        test.arrays(k_max),
+        ds.num_live,
+        state.seen,
+        state.stored,
+        ood=_load_ood(workdir, ood),
+    )
+
+
+def _search_ood(
+    ood: Mapping[str, Sequence[Document]],
+    index: MemoryIndex,
+    cache: TokenCache,
+    lexical: LexicalStats,
+    last_day: int,
+    k_max: int,
+    workdir: Path,
+) -> None:
+    """Search each out-of-domain corpus against the final memory (one day after the stream)."""
+    for i, (name, docs) in enumerate(ood.items()):
+        part = EvalTokens()
+        for j, o in enumerate(cache.get_many([d.text for d in docs])):
+            dist, _, vals = index.search_values(o.keys, k_max)
+            part.add(o, dist, vals, last_day + 1 + i, j, lexical.features(o.prev_tokens))
+        checkpoint.save_arrays(workdir / "eval" / f"ood-{name}.npz", part.arrays(k_max))
+
+
+def _load_ood(
+    workdir: Path, ood: Mapping[str, Sequence[Document]] | None
+) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        name: checkpoint.load_arrays(workdir / "eval" / f"ood-{name}.npz") for name in ood or {}
+    }

@@ -1,0 +1,367 @@
+"""The full-stream machinery of `memlm eval`: dedup, bootstrap, resume, name tokens, report."""
+
+import datetime as dt
+import gc
+import json
+
+import numpy as np
+import pytest
+
+from memlm.corpus import Document
+from memlm.datastore import Datastore
+from memlm.encoder import Encoder, WindowConfig
+from memlm.evaluate import DayPlan, EvalConfig, TuneGrid, evaluate
+from memlm.evaluate.bootstrap import ci, doc_sums, resampled_ppl, win_share
+from memlm.evaluate.checkpoint import SimulatedInterruption
+from memlm.evaluate.dedup import dedup_stream, ngrams, screen_held_out, text_hash
+from memlm.evaluate.harness import ResumeMismatch
+from memlm.evaluate.names import name_words, pieces_of
+
+DAY = dt.date(2021, 3, 1)
+VOCAB = [
+    "council",
+    "voted",
+    "budget",
+    "schools",
+    "roads",
+    "city",
+    "today",
+    "river",
+    "bridge",
+    "market",
+    "farmers",
+    "rain",
+    "storm",
+    "police",
+    "court",
+    "judge",
+    "trial",
+    "museum",
+    "opened",
+    "exhibit",
+    "winter",
+    "festival",
+    "music",
+    "theatre",
+    "league",
+    "match",
+    "goal",
+    "coach",
+    "injury",
+    "season",
+    "transfer",
+    "bank",
+    "rates",
+    "inflation",
+    "exports",
+    "factory",
+    "workers",
+]
+
+
+def _text(rng: np.random.Generator, n: int = 40) -> str:
+    return " ".join(rng.choice(VOCAB, n))
+
+
+def _doc(i: str, text: str, day: dt.date = DAY) -> Document:
+    return Document(i, text, day, "src")
+
+
+# --- dedup -------------------------------------------------------------------------------
+
+
+def test_exact_duplicates_are_found_through_case_and_punctuation():
+    assert text_hash("The Council voted, today.") == text_hash("the council  voted today")
+    assert text_hash("the council voted") != text_hash("the council voted today")
+
+
+def test_dedup_drops_exact_and_near_duplicates_keeping_the_first():
+    rng = np.random.default_rng(0)
+    a, b = _text(rng, 60), _text(rng, 60)
+    near = " ".join(a.split()[:45] + _text(rng, 15).split())  # 33 of its 48 13-grams are a's
+    far = " ".join(a.split()[:20] + _text(rng, 40).split())  # 8 of 48
+    docs = [_doc("a", a), _doc("b", b), _doc("a2", a.upper() + "!"), _doc("n", near)]
+    docs.append(_doc("f", far))
+    res = dedup_stream(docs, near_threshold=0.5)
+    assert [d.id for d in res.kept] == ["a", "b", "f"]
+    kinds = {d.doc_id: (d.kind, d.duplicate_of) for d in res.dropped}
+    assert kinds == {"a2": ("exact", "a"), "n": ("near", "a")}
+    near_drop = next(d for d in res.dropped if d.doc_id == "n")
+    shared = np.isin(ngrams(near), ngrams(a)).sum()
+    assert near_drop.overlap == pytest.approx(shared / len(ngrams(near)))
+    assert res.summary()["dropped_exact"] == 1 and res.summary()["dropped_near"] == 1
+
+
+def test_held_out_documents_overlapping_memory_are_excluded():
+    rng = np.random.default_rng(1)
+    train = [_doc(f"t{i}", _text(rng, 80)) for i in range(3)]
+    leaky = _doc("leaky", " ".join(train[1].text.split()[:20] + _text(rng, 60).split()))
+    clean = _doc("clean", _text(rng, 80))
+    plans = [DayPlan(DAY, train, [clean], [leaky, clean])]
+    new, rows = screen_held_out(plans, threshold=0.05)
+    assert [d.id for d in new[0].test] == ["clean"] and [d.id for d in new[0].dev] == ["clean"]
+    by = {(r["doc_id"], r["split"]): r for r in rows}
+    assert by[("leaky", "test")]["excluded"] is True
+    assert by[("leaky", "test")]["overlap"] == pytest.approx(8 / 68, abs=1e-4)
+    assert by[("clean", "test")]["overlap"] == 0.0
+
+
+def test_the_bundled_stream_has_its_known_duplicate_removed():
+    from memlm.corpus import load_news
+
+    docs = load_news()
+    res = dedup_stream(docs)
+    dropped = {d.doc_id: d for d in res.dropped}
+    assert dropped["news-02825"].kind == "exact"
+    assert dropped["news-02825"].duplicate_of == "news-02823"
+
+
+# --- bootstrap ---------------------------------------------------------------------------
+
+
+def test_bootstrap_matches_a_direct_computation():
+    rng = np.random.default_rng(3)
+    keys = np.repeat(np.array([7, 3, 9, 1, 4]), [5, 2, 8, 3, 6])
+    lp = -rng.gamma(2.0, 1.5, len(keys))
+    b = lp - rng.normal(0.2, 0.3, len(keys))
+    sums, counts = doc_sums(lp, keys)
+    order = [7, 3, 9, 1, 4]  # first appearance
+    assert counts.tolist() == [5, 2, 8, 3, 6]
+    assert sums.tolist() == pytest.approx([lp[keys == k].sum() for k in order])
+    draws = np.random.default_rng(11).integers(0, 5, size=(200, 5))
+    direct = []
+    for row in draws:
+        toks = np.concatenate([lp[keys == order[j]] for j in row])
+        direct.append(np.exp(-toks.mean()))
+    got = resampled_ppl(lp, keys, resamples=200, seed=11)
+    assert got == pytest.approx(np.array(direct))
+    lo, hi = ci(lp, keys, resamples=200, seed=11)
+    assert (lo, hi) == pytest.approx((np.quantile(direct, 0.025), np.quantile(direct, 0.975)))
+    direct_b = [np.exp(-np.concatenate([b[keys == order[j]] for j in row]).mean()) for row in draws]
+    share = np.mean(np.array(direct) < np.array(direct_b))
+    assert win_share(lp, b, keys, resamples=200, seed=11) == pytest.approx(share)
+
+
+# --- name tokens ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return Encoder.load("tiny-llama", threads=1)
+
+
+def test_name_tokens_are_capitalised_words_inside_sentences(enc):
+    pieces = pieces_of(enc.tokenizer, enc.vocab_size)
+    text = (
+        "Yesterday the minister met Angela Merkel in Berlin. She said that Mr. Trump "
+        'and I agreed. "We will talk," said Macron.\nTalks go on in Paris'
+    )
+    ids = enc.tokenize(text)
+    words = name_words(ids, pieces)
+    assert sorted(set(words.values())) == [
+        "Angela",
+        "Berlin",
+        "Macron",
+        "Merkel",
+        "Mr",  # a title is a capitalised word inside the sentence too
+        "Paris",
+        "Trump",
+    ]
+    for pos, w in words.items():  # each is the first token of its word
+        assert w.startswith(enc.tokenizer.decode(ids[pos : pos + 1]).strip())
+
+
+# --- the whole run: resume, report ---------------------------------------------------------
+
+
+def _stream(days: int = 4, per_day: int = 6) -> list[Document]:
+    rng = np.random.default_rng(5)
+    docs = []
+    for d in range(days):
+        day = dt.date(2021, 1, 30) + dt.timedelta(d)  # crosses a month's end
+        for i in range(per_day):
+            docs.append(_doc(f"d{d}-{i}", "Mr. Obama met " + _text(rng, 30), day))
+    return docs
+
+
+def _cfg(**kw):
+    base = dict(
+        corpus="synthetic",
+        model="tiny-llama",
+        window=WindowConfig(context=32, stride=16),
+        policies=("fullmem", "monim", "randmem"),
+        dev_share=0.2,
+        test_share=0.2,
+        k_max=16,
+        index_kind="flat",
+        grid=TuneGrid(ks=(4, 16), temperatures=(1.0, 10.0), lambdas=(0.1, 0.5)),
+        bootstrap_resamples=200,
+    )
+    return EvalConfig(**{**base, **kw})
+
+
+def _numbers(report):
+    """The report without wall times."""
+    r = json.loads(json.dumps(report))
+    r.pop("timing")
+    r["settings"].pop("seconds")
+    r["settings"].pop("encoded_tokens_this_run")
+    for rows in r["per_day"].values():
+        for row in rows:
+            row.pop("seconds")
+    return r
+
+
+def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    docs = _stream()
+    whole = evaluate(_cfg(), docs, tmp_path / "whole", encoder=enc, echo=str)
+    out = tmp_path / "cut"
+    with pytest.raises(SimulatedInterruption):
+        evaluate(_cfg(crash_at=("monim", 1)), docs, out, encoder=enc, echo=str)
+    gc.collect()  # the interrupted run's datastore handle (a new process in real life)
+    ckpt = json.loads((out / "work" / "monim" / "checkpoint.json").read_text())
+    assert len(ckpt["days"]) == 2 and not ckpt["finished"]
+    # the next day had begun: entries appended after the checkpoint are cut on resume
+    with Datastore.open(out / "work" / "monim" / "datastore", dim=enc.dim) as ds:
+        ds.append(np.ones((5, enc.dim), np.float16), np.arange(5), 99, np.arange(5), 0)
+    with pytest.raises(ResumeMismatch, match="other delta"):
+        evaluate(_cfg(resume=True, delta=-2.0), docs, out, encoder=enc, echo=str)
+    resumed = evaluate(_cfg(resume=True), docs, out, encoder=enc, echo=str)
+    assert resumed["settings"]["encoded_tokens_this_run"] == 0  # nothing re-encoded
+    assert _numbers(resumed) == _numbers(whole)
+
+
+def test_report_schema(tmp_path, enc, monkeypatch):
+    import memlm.evaluate.harness
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(9)
+    ood = {c: [_doc(f"{c}-{i}", _text(rng, 50)) for i in range(2)] for c in ("wikipedia", "kjv")}
+    monkeypatch.setattr(memlm.evaluate.harness, "load_ood", lambda *a: ood)
+    cfg = _cfg(lambda_mode="calibrated", ood_dir="unused")
+    report = evaluate(cfg, _stream(), tmp_path / "out", encoder=enc, echo=str)
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(on_disk) == {
+        "settings",
+        "results",
+        "per_day",
+        "leakage",
+        "forgetting",
+        "names",
+        "ood",
+        "timing",
+    }
+    for name in ("fullmem", "monim", "randmem"):
+        r = report["results"][name]
+        lo, hi = r["constant_lambda_test_ppl_ci95"]
+        assert lo <= r["constant_lambda_test_ppl"] <= hi
+        for corpus in ("wikipedia", "kjv"):
+            o = report["ood"][name][corpus]
+            assert o["bare"] == report["ood"]["bare"][corpus]["ppl"]
+            assert o["constant_vs_bare"] == pytest.approx(o["ppl_constant"] / o["bare"] - 1)
+            assert "ppl_calibrated" in o or r["lambda"] == 0
+    for name, r in report["results"].items():
+        lo, hi = r["test_ppl_ci95"]
+        assert lo <= r["test_ppl"] <= hi
+        assert r["bytes"] == r["entries"] * (2 * enc.dim + 20)
+        others = {"fullmem", "randmem"} - {name}
+        assert set(r["win_share"]) == others and all(0 <= w <= 1 for w in r["win_share"].values())
+    assert set(report["forgetting"]) == {"fullmem", "monim", "bare"}
+    assert list(report["forgetting"]["fullmem"]) == ["2021-01", "2021-02"]
+    bare_months = report["results"]["bare"]["test_ppl_per_month"]
+    assert report["forgetting"]["bare"]["2021-01"] == pytest.approx(bare_months)
+    for row in report["forgetting"]["fullmem"].values():
+        assert set(row) == set(bare_months) and all(np.isfinite(list(row.values())))
+    subsets = report["names"]["subsets"]
+    assert set(subsets) == {"all tokens", "names", "names seen", "names unseen"}
+    assert subsets["names"]["bare"]["tokens"] > 0  # "Obama" after "Mr." in every document
+    assert (
+        subsets["names seen"]["bare"]["tokens"] + subsets["names unseen"]["bare"]["tokens"]
+        == (subsets["names"]["bare"]["tokens"])
+    )
+    assert subsets["all tokens"]["bare"]["ppl"] == pytest.approx(
+        report["results"]["bare"]["test_ppl"]
+    )
+    assert [row["memrate_day"] for row in report["per_day"]["fullmem"]] == [1.0] * 4
+    assert report["leakage"]["dropped_exact"] == 0
+    assert report["timing"]["encode"]["tokens"] > 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    for piece in (
+        "Leakage:",
+        "Learning and forgetting",
+        "Name tokens",
+        "Out of domain",
+        "Wall time",
+    ):
+        assert piece in md
+    for f in ("memrate_daily.png", "forgetting.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+
+
+# --- the continual fine-tuning baseline ------------------------------------------------------
+
+
+def test_continual_finetuning_learns_the_stream_and_leaves_the_frozen_model_alone(enc):
+    from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
+    from memlm.interpolation import ppl
+
+    rng = np.random.default_rng(2)
+    days = [dt.date(2021, 1, 31), dt.date(2021, 2, 1)]
+    text = _text(rng, 40)  # every document repeats it: fine-tuning must learn it
+    plans = [
+        DayPlan(d, [_doc(f"t{i}", text, d) for i in range(3)], [], [_doc("x", text, d)])
+        for d in days
+    ]
+    window = WindowConfig(context=32, stride=16)
+    before = [p.detach().clone() for p in enc.model.parameters()]
+    bare = ppl(enc.encode_many([enc.tokenize(text)], window)[0].target_logprob.astype(np.float64))
+    out = continual_finetune(enc, plans, window, FinetuneConfig(lr=3e-3), resamples=50)
+    assert out["test_ppl"] < bare / 2
+    assert [d["day"] for d in out["per_day"]] == ["2021-01-31", "2021-02-01"]
+    n = len(enc.tokenize(text))  # windows of 32 tokens, each predicting all but its first
+    per_doc = sum(min(32, n - s) - 1 for s in range(0, n - 1, 32))
+    assert all(d["cpu_seconds"] > 0 and d["train_tokens"] == 3 * per_doc for d in out["per_day"])
+    assert list(out["forgetting"]) == ["2021-01", "2021-02"]
+    # the month's end is the last day: the same model scores the same document
+    assert out["forgetting"]["2021-02"]["2021-02"] == pytest.approx(out["per_day"][1]["test_ppl"])
+    assert out["forgetting"]["2021-01"]["2021-01"] == pytest.approx(out["per_day"][0]["test_ppl"])
+    assert all(torch_equal(a, b) for a, b in zip(before, enc.model.parameters(), strict=True))
+
+
+def torch_equal(a, b):
+    return bool((a == b).all())
+
+
+def test_top1_under_the_mixture_matches_the_full_distribution(enc):
+    from memlm.evaluate.names import TIE, top1_correct
+    from memlm.knnlm import KnnParams, neighbour_log_weights
+
+    rng = np.random.default_rng(4)
+    o = enc.encode_many([enc.tokenize(_text(rng, 60))], WindowConfig(context=32, stride=16))[0]
+    n, k = len(o), 16
+    # neighbours: the gold token, the LM's top-1 and a few frequent values, some padding
+    pool = np.concatenate([o.targets, o.top_id, rng.integers(0, 50, 20)])
+    vals = rng.choice(pool, size=(n, k)).astype(np.int64)
+    vals[rng.random((n, k)) < 0.2] = -1
+    vals[:3] = -1  # rows without neighbours: the LM alone
+    dist = np.sort(rng.gamma(2.0, 5.0, (n, k)), axis=1).astype(np.float32)
+    p_lm = np.exp(enc.full_logprobs(o.hidden).astype(np.float64))  # (n, V)
+    outcomes = []
+    for params in (
+        KnnParams(k=16, temperature=2.0, lmbda=0.3),
+        KnnParams(k=8, temperature=50.0, lmbda=0.9),
+    ):
+        v = vals[:, : params.k]
+        ids = np.where(v >= 0, 0, -1)
+        w = np.exp(neighbour_log_weights(dist[:, : params.k], ids, params.temperature))
+        p_knn = np.zeros_like(p_lm)
+        for i in range(n):
+            np.add.at(p_knn[i], np.maximum(v[i], 0), w[i])
+        lam = np.where((v >= 0).any(1), params.lmbda, 0.0)[:, None]
+        p = (1 - lam) * p_lm + lam * p_knn
+        expected = p[np.arange(n), o.targets] >= p.max(1) * (1 - TIE)
+        got = top1_correct(enc, o, np.arange(n), dist, vals, params)
+        assert got.tolist() == expected.tolist()
+        outcomes += expected.tolist()
+    assert set(outcomes) == {True, False}  # the check saw both answers
