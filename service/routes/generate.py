@@ -46,7 +46,19 @@ _STREAM = {
     "description": "with `stream: true`: server-sent events, `event: token` (data: a "
     "GeneratedTokenOut) per token, then `event: done` (data: GenerateDone) or "
     '`event: error` (data: {"error", "detail"})',
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    # the schema of one event, as schemathesis (and OpenAPI 3.2's itemSchema) reads a stream
+    "content": {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"type": "string", "enum": ["token", "done", "error"]},
+                    "data": {"type": "string", "description": "the event's JSON object"},
+                },
+            }
+        }
+    },
 }
 
 
