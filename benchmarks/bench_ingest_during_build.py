@@ -31,13 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import load_average, markdown_table, stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's memlm and workers, not an installed copy
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def queue(sessions: Any, texts: list[str], tag: str) -> list[int]:
@@ -56,14 +53,15 @@ def ingest(worker: Any, n: int, until: Any = None) -> tuple[int, int, float]:
     """Step until ``n`` documents are done (and ``until()`` is true); (docs, tokens, s)."""
     from workers.ingest import Processed
 
-    t0, docs, tokens = time.perf_counter(), 0, 0
-    while docs < n or (until is not None and not until()):
-        out = worker.step(build=False)
-        if isinstance(out, Processed) and out.status == "done":
-            docs, tokens = docs + 1, tokens + out.tokens_seen
-        elif out is None:
-            time.sleep(0.01)
-    return docs, tokens, time.perf_counter() - t0
+    docs, tokens = 0, 0
+    with stopwatch() as t:
+        while docs < n or (until is not None and not until()):
+            out = worker.step(build=False)
+            if isinstance(out, Processed) and out.status == "done":
+                docs, tokens = docs + 1, tokens + out.tokens_seen
+            elif out is None:
+                time.sleep(0.01)
+    return docs, tokens, t.seconds
 
 
 def main() -> None:
@@ -80,9 +78,9 @@ def main() -> None:
     from memlm.db.models import Document
     from memlm.db.repositories import BuildRepository
     from memlm.db.session import make_engine, make_sessionmaker
+    from memlm.engine import open_engine, policy_factory
     from memlm.settings import Settings
     from workers.builder import enqueue_rebuild, run_queued_build, start_builder
-    from workers.engine import open_engine, policy_factory
     from workers.ingest import IngestWorker
 
     data = Path(tempfile.mkdtemp(prefix="bench-ingest-build-"))
@@ -139,7 +137,7 @@ def main() -> None:
         flush=True,
     )
 
-    rows = []
+    rows: list[tuple[str, int, int, float, float | None]] = []
     queue(sessions, batches[0], "warm")
     ingest(worker, args.docs)  # warm-up: first forwards, page cache
 
@@ -175,18 +173,19 @@ def main() -> None:
 
     if args.inline:  # the old loop: the build is one step of the ingest loop
         enqueue_rebuild(sessions, key="bench-inline", requested_by="bench")
-        t0 = time.perf_counter()
-        run_queued_build(engine, sessions)
-        inline_secs = time.perf_counter() - t0
+        with stopwatch() as t:
+            run_queued_build(engine, sessions)
+        inline_secs = t.seconds
         rows.append(("inline (old)", 0, 0, inline_secs, inline_secs))
 
     print(f"build {status}")
-    print("| phase | documents | tokens | seconds | tokens/s | build s |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for name, docs, tokens, secs, bsecs in rows:
         rate = tokens / secs if secs else 0.0
-        b = "" if bsecs is None else f"{bsecs:.1f}"
-        print(f"| {name} | {docs} | {tokens} | {secs:.1f} | {rate:.0f} | {b} |")
+        build_s = "" if bsecs is None else f"{bsecs:.1f}"
+        table.append((name, docs, tokens, f"{secs:.1f}", f"{rate:.0f}", build_s))
+    header = ["phase", "documents", "tokens", "seconds", "tokens/s", "build s"]
+    print(markdown_table(header, table))
     print(f"load average after: {load_average()}")
     worker.lock.release()
     db.dispose()

@@ -30,8 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,19 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import free_port, load_average, markdown_table, percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT_CHARS = 600  # about 128 tokens of English news for the bundled tokenizer
 KEEP_ALIVE_S = 4.0  # reconnect after this long idle: uvicorn closes idle connections at 5 s
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -62,14 +52,6 @@ def cpu_seconds(pid: int | None = None) -> float:
         return t.user + t.system
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: int) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 @dataclass
@@ -88,24 +70,39 @@ class Level:
     cpu_client: float = 0.0  # CPU seconds of this process during the level
     cpu_server: float = 0.0  # ... and of the server process
 
-    def row(self) -> str:
+    def cells(self) -> tuple[object, ...]:
         rate = self.ok / self.seconds if self.seconds else 0.0
         ra = f"{min(self.retry_after)}-{max(self.retry_after)}" if self.retry_after else "-"
         return (
-            f"| {self.clients:7d} | {self.sent:5d} | {self.ok:5d} | {self.refused:5d} | "
-            f"{self.other:5d} | {rate:7.1f} | {pct(self.latencies, 50) * 1000:7.0f} | "
-            f"{pct(self.latencies, 99) * 1000:7.0f} | {ra:>11s} | "
-            f"{pct(self.health, 99) * 1000:14.1f} | {self.cpu_server:6.1f} | "
-            f"{self.cpu_client:6.1f} |"
+            self.clients,
+            self.sent,
+            self.ok,
+            self.refused,
+            self.other,
+            f"{rate:.1f}",
+            f"{percentile(self.latencies, 50) * 1000:.0f}",
+            f"{percentile(self.latencies, 99) * 1000:.0f}",
+            ra,
+            f"{percentile(self.health, 99) * 1000:.1f}",
+            f"{self.cpu_server:.1f}",
+            f"{self.cpu_client:.1f}",
         )
 
 
-HEADER = (
-    "| clients |  sent |   200 |   429 | other |   ok/s | p50 ms | p99 ms | Retry-After "
-    "| healthz p99 ms | server CPU s | client CPU s |\n"
-    "|--------:|------:|------:|------:|------:|-------:|-------:|-------:|------------:"
-    "|---------------:|-------:|-------:|"
-)
+HEADER = [
+    "clients",
+    "sent",
+    "200",
+    "429",
+    "other",
+    "ok/s",
+    "p50 ms",
+    "p99 ms",
+    "Retry-After",
+    "healthz p99 ms",
+    "server CPU s",
+    "client CPU s",
+]
 
 
 class Server:
@@ -352,7 +349,7 @@ async def bench(checkout: Path, args: argparse.Namespace, label: str) -> list[Le
 
 def table(label: str, levels: list[Level]) -> str:
     peak = max((lv.ok / lv.seconds if lv.seconds else 0.0) for lv in levels)
-    lines = [f"{label}", HEADER, *(lv.row() for lv in levels)]
+    lines = [label, markdown_table(HEADER, [lv.cells() for lv in levels], align="r" * len(HEADER))]
     for lv in levels:
         if lv.other_codes:
             lines.append(

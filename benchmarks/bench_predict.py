@@ -25,51 +25,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
-import tempfile
-import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def percentiles(ms: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(ms, n=100, method="inclusive")
-    return q[49], q[98], statistics.fmean(ms)
-
-
-def timed(
-    fns: dict[str, Callable[[], Any]],
-    n: int,
-    next_round: Callable[[], None],
-    warmup: int = 5,
-) -> dict[str, list[float]]:
-    """Milliseconds per call of each function, interleaved: round i calls every path once
-    (on the same input), so a change in the machine's load hits every row alike."""
-    for _ in range(warmup):
-        next_round()
-        for fn in fns.values():
-            fn()
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(n):
-        next_round()
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            out[name].append((time.perf_counter() - t) * 1000)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from _common import (
+    interleaved,
+    load_average,
+    markdown_table,
+    memorise,
+    open_served_engine,
+    serving,
+    stats_ms,
+)
 
 
 def main() -> None:
@@ -84,51 +51,17 @@ def main() -> None:
 
     import httpx
     import torch
-    import uvicorn
 
     from memlm.corpus import load_news
-    from memlm.db.migrate import upgrade
-    from memlm.settings import Settings
     from service.app import create_app
-    from workers.engine import open_engine, policy_factory
-    from workers.ingest import IngestWorker
 
     load_before = load_average()
     news = load_news()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-predict-"))
-    settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]
-        data_dir=tmp,
-        model=args.model,
-        threads=args.threads,
-        index_poll_seconds=3600,
-        embedded_worker=False,
+    settings, engine, load_s = open_served_engine(
+        "bench-predict", model=args.model, threads=args.threads
     )
-    upgrade(settings.db_url)
-    t0 = time.perf_counter()
-    engine: Any = open_engine(settings)
-    load_s = time.perf_counter() - t0
-
     # Memory: the first articles, memorised by the worker with MoNIM, then built.
-    from memlm.db.repositories import DocumentRepository, NewDocument
-    from memlm.db.session import make_engine, make_sessionmaker
-    from workers.builder import enqueue_rebuild
-
-    sessions = make_sessionmaker(make_engine(settings.db_url))
-    with sessions.begin() as s:
-        DocumentRepository(s).add_many(
-            NewDocument(text=d.text, published_at=d.published_at, source=d.source, title=d.title)
-            for d in news[: args.memory_docs]
-        )
-    worker = IngestWorker(engine, sessions, settings, policy_factory=policy_factory)
-    worker.start(timeout=5)
-    t0 = time.perf_counter()
-    while worker.step() is not None:
-        pass
-    enqueue_rebuild(sessions, requested_by="bench")
-    worker.step()
-    worker.lock.release()
-    ingest_s = time.perf_counter() - t0
+    ingest_s = memorise(engine, settings, news[: args.memory_docs])
     stats = engine.stats()
 
     # Contexts: 128-token windows from later articles (not in memory), as text.
@@ -159,14 +92,8 @@ def main() -> None:
         "engine.predict": lambda: engine.predict(ctx(), top_n=args.top_n),
     }
 
-    port = free_port()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as client:
         variants: list[tuple[str, dict[str, Any]]] = [
             ("HTTP /predict", {}),
             ("HTTP /predict, neighbours=5", {"neighbours": 5}),
@@ -180,9 +107,7 @@ def main() -> None:
                 r.raise_for_status()
 
             paths[name] = call
-        rows = timed(paths, args.requests, next_round)
-    server.should_exit = True
-    thread.join(10)
+        rows = interleaved(paths, args.requests, warmup=5, before_round=next_round)
 
     print(f"model {args.model}, threads {args.threads}, model load {load_s:.1f} s")
     print(
@@ -195,11 +120,11 @@ def main() -> None:
     )
     print(f"load average before: {load_before}; after: {load_average()}")
     print()
-    print(f"| {'path':40s} | p50 ms | p99 ms | mean ms |")
-    print(f"|{'-' * 42}|-------:|-------:|--------:|")
-    for name, ms in rows.items():
-        p50, p99, mean = percentiles(ms)
-        print(f"| {name:40s} | {p50:6.1f} | {p99:6.1f} | {mean:7.1f} |")
+    table = []
+    for name, seconds in rows.items():
+        st = stats_ms(seconds)
+        table.append((name, st["p50"], st["p99"], st["mean"]))
+    print(markdown_table(["path", "p50 ms", "p99 ms", "mean ms"], table))
 
 
 if __name__ == "__main__":

@@ -20,25 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+from _common import load_average, markdown_table, memorise, open_served_engine, serving, stats_ms
+
 TOKEN = "bench-token"
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pinger:
@@ -116,51 +104,25 @@ def main() -> None:
 
     import httpx
     import numpy as np
-    import uvicorn
 
-    from memlm.db.migrate import upgrade
-    from memlm.db.repositories import DocumentRepository, NewDocument
     from memlm.db.session import make_engine, make_sessionmaker
-    from memlm.settings import Settings
     from service.app import create_app
-    from workers.builder import enqueue_rebuild
-    from workers.engine import open_engine, policy_factory
-    from workers.ingest import IngestWorker
 
     load_before = load_average()
     docs = long_documents(args.docs, args.min_chars, args.max_chars)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-provenance-"))
-    settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]
-        data_dir=tmp,
+    settings, engine, _ = open_served_engine(
+        "bench-provenance",
         model=args.model,
         threads=args.threads,
         policy="randmem",
         randmem_rate=args.rate,
         knn_k=max(args.neighbours, 1),
-        index_poll_seconds=3600,
-        embedded_worker=False,
         ingest_token=TOKEN,
         admin_token=TOKEN,
     )
-    upgrade(settings.db_url)
-    engine: Any = open_engine(settings)
-    sessions = make_sessionmaker(make_engine(settings.db_url))
-    with sessions.begin() as s:
-        DocumentRepository(s).add_many(
-            NewDocument(text=d.text, published_at=d.published_at, source=d.source, title=d.title)
-            for d in docs
-        )
-    worker = IngestWorker(engine, sessions, settings, policy_factory=policy_factory)
-    worker.start(timeout=5)
-    t0 = time.perf_counter()
-    while worker.step() is not None:
-        pass
-    enqueue_rebuild(sessions, requested_by="bench")
-    worker.step()
-    worker.lock.release()
-    ingest_s = time.perf_counter() - t0
+    ingest_s = memorise(engine, settings, docs)
     stats = engine.stats()
+    sessions = make_sessionmaker(make_engine(settings.db_url))
 
     enc = engine.encoder
     rng = np.random.default_rng(0)
@@ -170,24 +132,21 @@ def main() -> None:
         at = int(rng.integers(0, len(ids) - args.context))
         contexts.append(enc.tokenizer.decode(ids[at : at + args.context]))
 
-    port = free_port()
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    rows: list[tuple[str, list[float], list[float]]] = []
+    rows: list[tuple[str, list[float], list[float]]] = []  # seconds, worst /healthz ms
     doc_counts: list[int] = []
-    with httpx.Client(base_url=base, timeout=600, headers=headers) as client:
+    with (
+        serving(app) as base,
+        httpx.Client(base_url=base, timeout=600, headers=headers) as client,
+    ):
         pinger = Pinger(base)
 
         cached = app.state.memlm.cached
 
         def run(name: str, n: int, clear: bool = False) -> None:
-            ms, stall = [], []
+            seconds: list[float] = []
+            stall: list[float] = []
             for i in range(n):
                 body = {"context": contexts[i % len(contexts)], "neighbours": args.neighbours}
                 if clear:
@@ -195,14 +154,14 @@ def main() -> None:
                 pinger.take()
                 t = time.perf_counter()
                 r = client.post("/predict", json=body)
-                ms.append((time.perf_counter() - t) * 1000)
+                seconds.append(time.perf_counter() - t)
                 time.sleep(0.02)  # let the pinger see the end of a stall
                 stall.append(pinger.take())
                 r.raise_for_status()
                 nbrs = r.json()["neighbours"]
                 assert len(nbrs) == args.neighbours and all(x["snippet"] for x in nbrs)
                 doc_counts.append(len({x["document_id"] for x in nbrs}))
-            rows.append((name, ms, stall))
+            rows.append((name, seconds, stall))
 
         for i in range(2):  # warm-up
             client.post("/predict", json={"context": contexts[i], "neighbours": args.neighbours})
@@ -221,8 +180,6 @@ def main() -> None:
             run("  spans not stored, first request", 1)
             run("  spans not stored, cached", args.requests)
         pinger.close()
-    server.should_exit = True
-    thread.join(10)
 
     chars = [len(d.text) for d in docs]
     print(f"model {args.model}, threads {args.threads}")
@@ -237,14 +194,12 @@ def main() -> None:
     )
     print(f"load average before: {load_before}; after: {load_average()}")
     print()
-    print(f"| {'request':42s} | p50 ms | mean ms | max ms | worst /healthz ms |")
-    print(f"|{'-' * 44}|-------:|--------:|-------:|------------------:|")
-    for name, ms, stall in rows:
-        p50 = statistics.median(ms)
-        print(
-            f"| {name:42s} | {p50:6.0f} | {statistics.fmean(ms):7.0f} | {max(ms):6.0f} "
-            f"| {max(stall):17.0f} |"
-        )
+    table = []
+    for name, seconds, stall in rows:
+        st = stats_ms(seconds)
+        table.append((name, st["p50"], st["mean"], st["max"], max(stall)))
+    header = ["request", "p50 ms", "mean ms", "max ms", "worst /healthz ms"]
+    print(markdown_table(header, table, digits=0))
 
 
 if __name__ == "__main__":

@@ -24,14 +24,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _common import alternating, load_average, markdown_table
 from sqlalchemy import create_engine, text
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def fresh_database(kind: str) -> tuple[str, Any]:
@@ -153,16 +150,15 @@ def main() -> None:
     docs = [d for d in load_news() if d.published_at >= dt.date(2017, 2, 13)][: args.docs]
     counts = [int(x) for x in args.workers.split(",")]
     load_before = load_average()
-    results: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
-    for rep in range(args.repeat):
-        for n in counts:
-            r = run_once(n, args, docs)
-            results[n].append(r)
-            print(
-                f"repetition {rep + 1}, {n} worker(s): {r['tokens']:.0f} tokens in "
-                f"{r['seconds']:.1f} s ({r['tokens'] / r['seconds']:.0f} tokens/s)",
-                flush=True,
-            )
+
+    def progress(rep: int, n: int, r: dict[str, float]) -> None:
+        print(
+            f"repetition {rep + 1}, {n} worker(s): {r['tokens']:.0f} tokens in "
+            f"{r['seconds']:.1f} s ({r['tokens'] / r['seconds']:.0f} tokens/s)",
+            flush=True,
+        )
+
+    results = alternating(counts, args.repeat, lambda n: run_once(n, args, docs), report=progress)
     base = max(r["tokens"] / r["seconds"] for r in results[counts[0]])
     print()
     print(f"model {args.model}, {args.threads} thread(s) per worker, database {args.db}")
@@ -172,17 +168,23 @@ def main() -> None:
     )
     print(f"load average before: {load_before}; after: {load_average()}; cores: {os.cpu_count()}")
     print()
-    print("| workers | seconds | tokens/s | vs 1 worker | entries stored (= datastore) | failed |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    table = []
     for n in counts:
         rates = [r["tokens"] / r["seconds"] for r in results[n]]
         best = max(range(len(rates)), key=rates.__getitem__)
         r = results[n][best]
-        print(
-            f"| {n} | {r['seconds']:.1f} ({max(x['seconds'] for x in results[n]):.1f}) "
-            f"| {rates[best]:.0f} ({min(rates):.0f}) | {rates[best] / base:.2f}x "
-            f"| {r['stored']:.0f} | {r['failed']:.0f} |"
+        table.append(
+            (
+                n,
+                f"{r['seconds']:.1f} ({max(x['seconds'] for x in results[n]):.1f})",
+                f"{rates[best]:.0f} ({min(rates):.0f})",
+                f"{rates[best] / base:.2f}x",
+                f"{r['stored']:.0f}",
+                f"{r['failed']:.0f}",
+            )
         )
+    header = ["workers", "seconds", "tokens/s", "vs 1 worker", "entries stored (= datastore)"]
+    print(markdown_table([*header, "failed"], table, align="rrrrrr"))
 
 
 if __name__ == "__main__":

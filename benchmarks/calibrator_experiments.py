@@ -34,6 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import markdown_table, mean_sd, stopwatch  # noqa: E402
+
 from memlm.calibrator import (  # noqa: E402
     CalibratorConfig,
     StreamCalibrator,
@@ -41,6 +43,7 @@ from memlm.calibrator import (  # noqa: E402
     features_of_groups,
     gate_config,
     token_features,
+    token_rows,
     training_set,
 )
 from memlm.corpus import Document, load_corpus  # noqa: E402
@@ -181,10 +184,6 @@ def bible_docs(root: Path, encoder: Encoder, tokens: int, day: dt.date) -> list[
 # --- experiments -------------------------------------------------------------------------
 
 
-def _rows(split: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
-    return {k: v[keep] for k, v in split.items() if len(v) == len(keep)}
-
-
 def _calibrated(
     dev: dict[str, np.ndarray],
     test: dict[str, np.ndarray],
@@ -201,11 +200,6 @@ def _calibrated(
             kw2["gate"] = CalibratorConfig(**{**g.__dict__, "seed": seed})
         out.append(calibrate_stream(dev, test, params, c, **kw2))
     return out
-
-
-def _mean_sd(xs: list[float]) -> tuple[float, float]:
-    a = np.asarray(xs, np.float64)
-    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
 def _time_retrieval(
@@ -303,9 +297,9 @@ def main() -> None:
     texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
     if args.encode_ood_only:
         texts = [d.text for p in plans if day_number(p.day) > news_last for d in p.test]
-    t0 = time.perf_counter()
-    cache.get_many(texts, progress=True)
-    print(f"encoded {cache.encoded_tokens} new tokens in {time.perf_counter() - t0:.0f} s")
+    with stopwatch() as t:
+        cache.get_many(texts, progress=True)
+    print(f"encoded {cache.encoded_tokens} new tokens in {t.seconds:.0f} s")
     if args.encode_ood_only:
         return
 
@@ -317,11 +311,11 @@ def main() -> None:
     for name in ("fullmem", "monim", "randmem"):
         rate = runs["monim"].memrate if name == "randmem" else 0.5
         policy = make_policy(name, rate=rate, seed=0)
-        t0 = time.perf_counter()
-        runs[name] = run_policy(
-            policy, plans, cache, args.out / "work" / name, ingest_params=KnnParams(), k_max=256
-        )
-        print(f"{name}: memrate {runs[name].memrate:.1%} ({time.perf_counter() - t0:.0f} s)")
+        with stopwatch() as t:
+            runs[name] = run_policy(
+                policy, plans, cache, args.out / "work" / name, ingest_params=KnnParams(), k_max=256
+            )
+        print(f"{name}: memrate {runs[name].memrate:.1%} ({t.seconds:.0f} s)")
 
     cfg = CalibratorConfig()
     table: dict[str, Any] = {}
@@ -340,7 +334,7 @@ def main() -> None:
             "news_test_tokens": int(news.sum()),
             "bare": ppl(test["target_lm_logprob"][news]),
             "constant": ppl(const[news]),
-            "calibrated": _mean_sd([ppl(c.logprobs[news]) for c in cals]),
+            "calibrated": mean_sd([ppl(c.logprobs[news]) for c in cals]),
             "calibrated_per_seed": [ppl(c.logprobs[news]) for c in cals],  # seed 0 = memlm eval's
             "mean_lambda": float(np.mean([c.lambdas[news].mean() for c in cals])),
             "train_reports": cals[0].reports,
@@ -351,7 +345,7 @@ def main() -> None:
                 "tokens": int(rows.sum()),
                 "bare": ppl(test["target_lm_logprob"][rows]),
                 "constant": ppl(const[rows]),
-                "calibrated": _mean_sd([ppl(c.logprobs[rows]) for c in cals]),
+                "calibrated": mean_sd([ppl(c.logprobs[rows]) for c in cals]),
                 "mean_lambda": float(np.mean([c.lambdas[rows].mean() for c in cals])),
                 "mean_l2_top1": float(np.sqrt(np.maximum(test["distances"][rows, 0], 0)).mean()),
             }
@@ -361,14 +355,14 @@ def main() -> None:
 
     # feature ablation (MoNIM), Table 15
     run = runs["monim"]
-    news_test = _rows(run.test, run.test["day"] <= news_last)
+    news_test = token_rows(run.test, run.test["day"] <= news_last)
     params, _ = tune(run.dev, TuneGrid())
     groups = ("distribution", "lexical", "density")
     ablation = {}
     for drop in (None, *groups):
         feats = features_of_groups([g for g in groups if g != drop])
         cals = _calibrated(run.dev, news_test, params, CalibratorConfig(features=feats))
-        ablation["all" if drop is None else f"-{drop}"] = _mean_sd([ppl(c.logprobs) for c in cals])
+        ablation["all" if drop is None else f"-{drop}"] = mean_sd([ppl(c.logprobs) for c in cals])
     results["ablation"] = ablation
     print("ablation", ablation)
 
@@ -380,9 +374,9 @@ def main() -> None:
     if args.lm_timing_docs:
         ids = [encoder.tokenize(d.text) for d in test_docs[: args.lm_timing_docs]]
         encoder.compute_key_ce = False  # serving does not need the key cross-entropy
-        t0 = time.perf_counter()
-        outs = encoder.encode_many(ids, window)
-        t_lm = (time.perf_counter() - t0) / sum(len(o) for o in outs)
+        with stopwatch() as t:
+            outs = encoder.encode_many(ids, window)
+        t_lm = t.seconds / sum(len(o) for o in outs)
     lexical_all = LexicalStats(encoder.vocab_size)  # features as of the evening of the last day
     for p in plans:
         for o in cache.get_many([d.text for d in p.train]):
@@ -412,8 +406,8 @@ def main() -> None:
         retr = timing["gate_s"] + timing["search_s"] + timing["calibrator_s"]
         row = {
             "theta": theta,
-            "ppl": _mean_sd([ppl(c.logprobs) for c in res]),
-            "skipped": _mean_sd([c.skipped_share for c in res]),
+            "ppl": mean_sd([ppl(c.logprobs) for c in res]),
+            "skipped": mean_sd([c.skipped_share for c in res]),
             "retrieval_tok_s": n / retr,
             "end_to_end_tok_s": (n / (retr + t_lm * n)) if t_lm else None,
             **timing,
@@ -429,42 +423,54 @@ def main() -> None:
 def render(r: dict[str, Any]) -> str:
     """Markdown tables of the results."""
     f = lambda ms: f"{ms[0]:.2f} ± {ms[1]:.2f}"  # noqa: E731
-    lines = [
-        "| policy | MemRate | bare LM | constant lambda (k, T, lambda) | calibrated | mean calibrated lambda |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, row in r["policies"].items():
-        lines.append(
-            f"| {name} | {row['memrate']:.1%} | {row['bare']:.2f} | {row['constant']:.2f} "
-            f"({row['k']}, {row['T']:g}, {row['lambda']:g}) | {f(row['calibrated'])} | {row['mean_lambda']:.3f} |"
+    policies = [
+        (
+            name,
+            f"{row['memrate']:.1%}",
+            f"{row['bare']:.2f}",
+            f"{row['constant']:.2f} ({row['k']}, {row['T']:g}, {row['lambda']:g})",
+            f(row["calibrated"]),
+            f"{row['mean_lambda']:.3f}",
         )
-    lines += ["", "| features (MoNIM) | test ppl |", "|---|---:|"]
-    lines += [f"| {k} | {f(v)} |" for k, v in r["ablation"].items()]
-    lines += [
-        "",
-        "| theta | test ppl | searches skipped | retrieval tokens/s | end-to-end tokens/s |",
-        "|---:|---:|---:|---:|---:|",
+        for name, row in r["policies"].items()
     ]
-    for g in r["gate"]:
-        e2e = f"{g['end_to_end_tok_s']:.1f}" if g["end_to_end_tok_s"] else "-"
-        lines.append(
-            f"| {g['theta']:g} | {f(g['ppl'])} | {g['skipped'][0]:.1%} | {g['retrieval_tok_s']:.0f} | {e2e} |"
+    header = ["policy", "MemRate", "bare LM", "constant lambda (k, T, lambda)", "calibrated"]
+    tables = [markdown_table([*header, "mean calibrated lambda"], policies)]
+    ablation = [(k, f(v)) for k, v in r["ablation"].items()]
+    tables.append(markdown_table(["features (MoNIM)", "test ppl"], ablation))
+    gate = [
+        (
+            f"{g['theta']:g}",
+            f(g["ppl"]),
+            f"{g['skipped'][0]:.1%}",
+            f"{g['retrieval_tok_s']:.0f}",
+            f"{g['end_to_end_tok_s']:.1f}" if g["end_to_end_tok_s"] else "-",
         )
+        for g in r["gate"]
+    ]
+    header = ["theta", "test ppl", "searches skipped", "retrieval tokens/s"]
+    tables.append(markdown_table([*header, "end-to-end tokens/s"], gate, align="rrrrr"))
     ood = [c for c in ("wikipedia", "kjv") if c in next(iter(r["policies"].values()))]
     if ood:
-        lines += [
-            "",
-            "| memory | corpus | tokens | bare LM | constant | calibrated | calibrated vs bare | mean lambda |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+        rows = [
+            (
+                name,
+                c,
+                o["tokens"],
+                f"{o['bare']:.2f}",
+                f"{o['constant']:.2f}",
+                f(o["calibrated"]),
+                f"{o['calibrated'][0] / o['bare'] - 1:+.2%}",
+                f"{o['mean_lambda']:.3f}",
+            )
+            for name, row in r["policies"].items()
+            for c in ood
+            for o in [row[c]]
         ]
-        for name, row in r["policies"].items():
-            for c in ood:
-                o = row[c]
-                lines.append(
-                    f"| {name} | {c} | {o['tokens']} | {o['bare']:.2f} | {o['constant']:.2f} | "
-                    f"{f(o['calibrated'])} | {o['calibrated'][0] / o['bare'] - 1:+.2%} | {o['mean_lambda']:.3f} |"
-                )
-    return "\n".join(lines)
+        header = ["memory", "corpus", "tokens", "bare LM", "constant", "calibrated"]
+        header += ["calibrated vs bare", "mean lambda"]
+        tables.append(markdown_table(header, rows, align="ll" + "r" * 6))
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":

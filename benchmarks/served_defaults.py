@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from _common import markdown_table
 
 from memlm.corpus import load_corpus
 from memlm.encoder import Encoder, WindowConfig
@@ -61,14 +62,22 @@ def main() -> None:
                 f"\n{name}: {run.entries} entries, {len(bare)} held-out tokens, "
                 f"bare ppl {ppl(bare):.2f}"
             )
-            print("k  T    lambda  ppl     vs bare  worst day vs bare")
+            table = []
             for p in CANDIDATES:
                 lp = token_logprobs(held, p)
                 worst = max(ppl(lp[held["day"] == d]) / ppl(bare[held["day"] == d]) for d in days)
-                print(
-                    f"{p.k:<3d}{p.temperature:<5g}{p.lmbda:<8g}{ppl(lp):<8.2f}"
-                    f"{ppl(lp) / ppl(bare) - 1:+7.1%}  {worst - 1:+7.1%}"
+                table.append(
+                    (
+                        p.k,
+                        f"{p.temperature:g}",
+                        f"{p.lmbda:g}",
+                        f"{ppl(lp):.2f}",
+                        f"{ppl(lp) / ppl(bare) - 1:+.1%}",
+                        f"{worst - 1:+.1%}",
+                    )
                 )
+            header = ["k", "T", "lambda", "ppl", "vs bare", "worst day vs bare"]
+            print(markdown_table(header, table, align="rrrrrr"))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import markdown_table
 
 from memlm.train.data import bptt_batches, load_encoded_splits
 from memlm.train.lstm_models import (
@@ -124,28 +125,39 @@ def print_tables(results: dict[str, dict[str, object]]) -> None:
         return f"{float(r[split + '_ppl']):.1f}" if r else "-"  # type: ignore[arg-type]
 
     print("\n### Dev / test perplexity by attention window (Figure 2a)\n")
-    print("| Model | " + " | ".join(f"L={w}" for w in WINDOWS) + " |")
-    print("|---|" + "---|" * len(WINDOWS))
-    for arch in ATTENTIVE:
-        cells = [f"{ppl(f'{arch}-{w}', 'dev')} / {ppl(f'{arch}-{w}', 'test')}" for w in WINDOWS]
-        print(f"| {LABEL[arch]} | " + " | ".join(cells) + " |")
+    by_window = [
+        (
+            LABEL[arch],
+            *(f"{ppl(f'{arch}-{w}', 'dev')} / {ppl(f'{arch}-{w}', 'test')}" for w in WINDOWS),
+        )
+        for arch in ATTENTIVE
+    ]
+    print(markdown_table(["Model", *(f"L={w}" for w in WINDOWS)], by_window))
 
     print("\n### All models (Figure 2b/2c): same theta_M, same data, same steps\n")
-    print("| Model | hidden H | h* size | theta_M | steps | train s | Dev ppl | Test ppl |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows: list[tuple[object, ...]] = []
     for name, _, _ in model_specs():
         r = results.get(name)
         if r is None:
-            print(f"| {name} | - | - | - | - | - | - | - |")
+            rows.append((name, *["-"] * 7))
             continue
         cfg = r["config"]
         assert isinstance(cfg, dict)
         parts = {"lstm": 1, "attention": 1, "kv": 2, "kvp": 3}.get(cfg["arch"], cfg["ngram"] - 1)
-        print(
-            f"| {name} | {cfg['hidden']} | {cfg['hidden'] // parts} | {r['params_no_embedding']} "
-            f"| {r['steps']} | {r['train_seconds']} | {float(r['dev_ppl']):.1f} "  # type: ignore[arg-type]
-            f"| {float(r['test_ppl']):.1f} |"  # type: ignore[arg-type]
+        rows.append(
+            (
+                name,
+                cfg["hidden"],
+                cfg["hidden"] // parts,
+                r["params_no_embedding"],
+                r["steps"],
+                r["train_seconds"],
+                f"{float(r['dev_ppl']):.1f}",  # type: ignore[arg-type]
+                f"{float(r['test_ppl']):.1f}",  # type: ignore[arg-type]
+            )
         )
+    header = ["Model", "hidden H", "h* size", "theta_M", "steps", "train s", "Dev ppl"]
+    print(markdown_table([*header, "Test ppl"], rows))
 
 
 def check_findings(results: dict[str, dict[str, object]]) -> None:

@@ -28,15 +28,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import markdown_table
 
-from memlm.train.data import EncodedCorpus, EncodedSplits, load_encoded_splits, stream_segments
+from memlm.train.data import (
+    EncodedCorpus,
+    EncodedSplits,
+    load_encoded_splits,
+    make_segments,
+    stream_segments,
+)
 from memlm.train.transformer_train import (
     ModelConfig,
     SegmentOutputs,
     TrainConfig,
     build_model,
     encode_segments,
-    make_segments,
     memory_logprobs,
     parameter_counts,
     perplexity,
@@ -576,16 +582,23 @@ LABELS = {
 
 def print_tables(rows: list[dict[str, Any]]) -> None:
     """Markdown: training cost, then test perplexity (the intended memory in bold)."""
-    print("\n| run | targets seen | epochs | CPU s | wall s | loss, last 10% of steps |")
-    print("|---|---:|---:|---:|---:|---:|")
+    cost = []
     for res in rows:
         t = res["train"]
-        print(
-            f"| {LABELS[res['run']]} | {t['train_tokens_seen']:,} | {t['epochs']} "
-            f"| {t['cpu_seconds']:.0f} | {t['wall_seconds']:.0f} | {t['loss_last_10pct']:.3f} |"
+        cost.append(
+            (
+                LABELS[res["run"]],
+                f"{t['train_tokens_seen']:,}",
+                t["epochs"],
+                f"{t['cpu_seconds']:.0f}",
+                f"{t['wall_seconds']:.0f}",
+                f"{t['loss_last_10pct']:.3f}",
+            )
         )
-    print("\n| model | " + " | ".join(COLUMNS) + " | eval CPU s |")
-    print("|---|" + "---:|" * (len(COLUMNS) + 1))
+    header = ["run", "targets seen", "epochs", "CPU s", "wall s", "loss, last 10% of steps"]
+    print()
+    print(markdown_table(header, cost))
+    ppl = []
     for res in rows:
         cells = [
             f"**{res['test_ppl'][c]:.1f}**"
@@ -593,9 +606,9 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             else f"{res['test_ppl'][c]:.1f}"
             for c in COLUMNS
         ]
-        print(
-            f"| {LABELS[res['run']]} | " + " | ".join(cells) + f" | {res['eval_cpu_seconds']:.0f} |"
-        )
+        ppl.append((LABELS[res["run"]], *cells, f"{res['eval_cpu_seconds']:.0f}"))
+    print()
+    print(markdown_table(["model", *COLUMNS, "eval CPU s"], ppl))
 
 
 if __name__ == "__main__":

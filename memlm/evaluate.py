@@ -188,6 +188,8 @@ class TokenCache:
     def __init__(self, encoder: Encoder, window: WindowConfig, root: Path | None = None):
         self.encoder, self.window = encoder, window
         slug = encoder.name.replace("/", "_")
+        if encoder.precision != "float32":  # another key space: never share float32's cache
+            slug += f"-{encoder.precision}"
         self.root = (
             root or cache_dir() / "encoded"
         ) / f"{slug}-c{window.context}-s{window.stride}-k32"

@@ -78,6 +78,13 @@ class Settings(BaseSettings):
     calibrator_max_tokens: int = Field(default=131_072, ge=1)
     # torch threads; honours MEMLM_THREADS, None lets torch decide.
     threads: int | None = Field(default=None, ge=1)
+    # What the encoder's transformer runs in. auto probes once per processor and model
+    # (matmul speed of each precision, perplexity within 0.5% of float32 on a bundled
+    # text), caches the choice in the cache directory and logs it; an existing datastore
+    # keeps the precision its keys were made with. float16 is for CUDA; int8 for the CPU.
+    precision: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    # Where the encoder runs: auto takes CUDA when torch sees it, else the CPU.
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
@@ -126,6 +133,20 @@ class Settings(BaseSettings):
     # retries at once, ignoring Retry-After, then costs the event loop a few refusals a
     # second instead of thousands. An asyncio sleep: no thread and no model time. 0: off.
     overload_delay_seconds: float = Field(default=0.5, ge=0, le=10)
+    # Tokens one /generate may ask for (max_tokens): each is a one-token forward and a
+    # search on the model thread, about 20-60 ms with SmolLM2 on one CPU thread.
+    max_generate_tokens: int = Field(default=256, ge=1)
+    # Tokens a /generate job runs before the model thread takes other requests: small
+    # enough that /predict waits at most a few steps, large enough that the queue hop
+    # (well under 1 ms) is noise next to a step.
+    generate_chunk_tokens: int = Field(default=4, ge=1, le=64)
+
+    # --- dashboard (GET /dashboard) -----------------------------------------------------
+    # How often the page polls /admin/stats/history.
+    dashboard_refresh_seconds: float = Field(default=10.0, ge=1, le=3600)
+    # Lifetime of the session cookie the login form sets (changing the admin token ends
+    # every session at once).
+    dashboard_session_hours: float = Field(default=12.0, gt=0, le=24 * 30)
 
     @field_validator("policy")
     @classmethod

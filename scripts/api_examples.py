@@ -101,6 +101,14 @@ def calls() -> list[Call]:
             {"context": CONTEXT, "top_n": 3, "words": 5},
         ),
         Call(
+            "POST /generate",
+            "POST",
+            "/generate",
+            {"context": CONTEXT, "max_tokens": 8, "neighbour": True},
+            note='Greedy, each token with its nearest neighbour (`"stream": true` sends '
+            "the same tokens as server-sent events):",
+        ),
+        Call(
             "POST /predict (TRIME local memory)",
             "POST",
             "/predict",

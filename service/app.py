@@ -11,27 +11,33 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.migrate import check_migrated
 from memlm.db.repositories import BuildRepository, DocumentRepository, StatsRepository
 from memlm.db.session import make_engine, make_sessionmaker
+from memlm.engine import EngineLike, reconcile_index
+from memlm.engine import open_engine as _open_engine
+from memlm.engine import policy_factory as default_policy_factory
 from memlm.settings import Settings
+from service.dashboard import routes as dashboard_routes
 from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.provenance import SpanCache
-from service.routes import admin, documents, health, inference
+from service.routes import admin, documents, generate, health, inference
 from service.routes.inference import predict_many
 from service.state import AppState
-from workers.builder import reconcile_index
-from workers.engine import EngineLike
-from workers.engine import open_engine as _open_engine
 
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Settings], EngineLike]
+# Starts what runs beside the API over its engine (the embedded ingest worker) and returns
+# its thread, which stops once the event is set: given by the composition root
+# (memlm.cli.compose), so that the service never imports the workers.
+WorkerStarter = Callable[[EngineLike, sessionmaker[Session], threading.Event], threading.Thread]
 
 # Longest pause between two attempts to open the engine.
 LOAD_RETRY_MAX_SECONDS = 60.0
@@ -106,21 +112,24 @@ def create_app(
     engine: EngineLike | None = None,
     engine_factory: EngineFactory | None = None,
     policy_factory: Callable[[str, float | None, dict[str, Any]], Any] | None = None,
+    worker: WorkerStarter | None = None,
     run_worker: bool | None = None,
     poll: bool = True,
 ) -> FastAPI:
     """The app. Pass ``engine`` (tests) or let the lifespan open the real one.
 
-    ``run_worker`` (default: ``settings.embedded_worker``) runs the ingest worker as a
-    thread over the same engine. ``poll`` keeps the served index in step with builds.
+    ``worker`` starts a thread over the same engine once it is loaded (the embedded
+    ingest worker: ``memlm.cli.compose.build_app`` passes it), and the engine is then
+    opened as a writer. ``run_worker``: the older switch, kept for its callers; False is
+    the same as no ``worker``. ``poll`` keeps the served index in step with builds.
     """
     settings = settings or Settings()
-    with_worker = settings.embedded_worker if run_worker is None else run_worker
-    factory = engine_factory or partial(_open_engine, writer=with_worker)
-    if policy_factory is None:
-        from workers.engine import policy_factory as default_policy_factory
-
-        policy_factory = default_policy_factory
+    if run_worker is False:
+        worker = None
+    elif run_worker and worker is None:
+        raise TypeError("run_worker=True needs the worker: pass worker= (memlm.cli.compose)")
+    factory = engine_factory or partial(_open_engine, writer=worker is not None)
+    policy_factory = policy_factory or default_policy_factory
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,14 +149,6 @@ def create_app(
         stop = threading.Event()
         tasks: list[asyncio.Task[None]] = []
         threads: list[threading.Thread] = []
-
-        def start_worker(eng: EngineLike) -> None:
-            from workers.ingest import IngestWorker
-
-            worker = IngestWorker(eng, sessions, settings, policy_factory=policy_factory)
-            t = threading.Thread(target=worker.run, args=(stop,), name="memlm-ingest", daemon=True)
-            t.start()
-            threads.append(t)
 
         async def load() -> None:
             # Retried with backoff: with a separate worker (docker compose) the API may
@@ -170,8 +171,8 @@ def create_app(
             await asyncio.to_thread(reconcile_index, eng, sessions, delete=False)
             state.served_version = await asyncio.to_thread(_engine_version, eng)
             _attach(state, eng)
-            if with_worker:
-                start_worker(eng)
+            if worker is not None:
+                threads.append(worker(eng, sessions, stop))
             await sync_index(state)
             log.info("ready: model %s, index version %s", settings.model, state.served_version)
 
@@ -212,8 +213,9 @@ def create_app(
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    for module in (documents, inference, admin, health):
+    for module in (documents, inference, generate, admin, health):
         app.include_router(module.router)
+    app.include_router(dashboard_routes.router)
     app.add_middleware(RequestSlots)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)

@@ -10,9 +10,9 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from memlm.engine import EngineLike
 from service.errors import Unauthorized, Unavailable
 from service.state import AppState
-from workers.engine import EngineLike
 
 
 def get_state(request: Request) -> AppState:

@@ -295,17 +295,21 @@ class ModelExecutor:
         kind: str = "call",
         cost: int = 1,
         wait: bool = False,
+        admitted: bool = False,
     ) -> T:
         """Run ``fn(*args)`` on the model thread, admitted by its ``cost``.
 
         ``wait=True``: an internal job (index sync), queued whatever the load, not timed.
+        ``admitted=True``: a later piece of a request already admitted (the steps of a
+        /generate after its first job): queued whatever the load, as a refusal half-way
+        would lose the work done, but counted and timed under ``kind`` like any job.
         """
         assert cost >= 1
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop, loop.create_future())
         if not wait:
             job.kind, job.cost = kind, cost
-        self._put(job, admit=not wait)
+        self._put(job, admit=not (wait or admitted))
         result: T = await self._await(job)
         return result
 

@@ -137,7 +137,9 @@ class RequestSlots:
     where requests wait when the event loop, not the model, is the bottleneck.
     """
 
-    def __init__(self, app: ASGIApp, paths: tuple[str, ...] = ("/predict", "/score")) -> None:
+    def __init__(
+        self, app: ASGIApp, paths: tuple[str, ...] = ("/predict", "/score", "/generate")
+    ) -> None:
         self.app = app
         self.paths = paths
 

@@ -374,6 +374,10 @@ class StatsResponse(BaseModel):
     interpolation: InterpolationOut | None = Field(
         None, description="what answers /predict and /score and decides what MoNIM stores"
     )
+    device: str | None = Field(None, description="where the encoder runs (MEMLM_DEVICE)")
+    precision: str | None = Field(
+        None, description="what the encoder's transformer runs in (MEMLM_PRECISION)"
+    )
 
 
 class PolicyIn(Strict):
@@ -415,6 +419,11 @@ class RebuildRequest(Strict):
         description="idempotency key: the same key twice builds once; "
         "without one the request joins a queued or running build",
     )
+    retrain: bool = Field(
+        False,
+        description="train the index from scratch; otherwise the build adds the new "
+        "entries to the served version and retrains only when the memory grew 4x",
+    )
 
     @field_validator("key")
     @classmethod
@@ -447,6 +456,11 @@ class BuildOut(BaseModel):
         "lambda chosen on the held-out tokens, and whether the calibrator beat it "
         "(lambda_source)",
     )
+    sizes: dict[str, int] | None = Field(
+        None,
+        description="bytes_on_disk and bytes_in_ram of the memory right after the build "
+        "(the dashboard's memory size over time)",
+    )
 
 
 class ForgetResponse(BaseModel):
@@ -460,6 +474,8 @@ class Health(BaseModel):
     model: str | None = None
     index_version: str | None = None
     calibrator_version: str | None = None
+    device: str | None = None  # where the encoder runs
+    precision: str | None = None  # what its transformer runs in (auto's choice, if auto)
 
 
 StatsResponse.model_rebuild()

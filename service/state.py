@@ -9,10 +9,10 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from memlm.engine import EngineLike
 from memlm.settings import Settings
 from service.executor import ModelExecutor
 from service.metrics import Metrics
-from workers.engine import EngineLike
 
 log = logging.getLogger(__name__)
 

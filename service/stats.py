@@ -97,6 +97,8 @@ def summarise(
         policy=policy_out(db["policy"]),
         calibrator=calibrator_out(engine_stats.get("calibrator")),
         interpolation=interpolation_out(engine_stats.get("interpolation")),
+        device=engine_stats.get("device"),
+        precision=engine_stats.get("precision"),
     )
 
 

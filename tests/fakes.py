@@ -12,7 +12,10 @@ is predictable by hand:
 * whole words are the suggestions themselves (every fake token is a word),
 * local memory (TRIME): every earlier position of the input with the same key adds a
   mass of 1 to its value beside the LM's total mass of 1 (tau is ignored),
-* ``char_spans`` gives each word's characters (and counts its calls).
+* ``char_spans`` gives each word's characters (and counts its calls),
+* generation (``start_generation``) appends " word" after " word" drawn from ``predict``'s
+  distribution: greedy takes its first suggestion, sampling draws with the seeded numpy
+  generator; ``generation_positions`` words of context plus new words at most.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from memlm.engine import ContextFit, EngineInputError
+from memlm.generate import GenerateConfig, GeneratedToken, StopText
 from memlm.locks import LockBusy
 
 VOCAB = ("the", "a", "of", "and", "to", "in")
@@ -223,6 +227,16 @@ class FakeEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    generation_positions: int = 64
+
+    def start_generation(self, context: str, cfg: GenerateConfig) -> FakeGeneration:
+        words = context.split()
+        if not words:
+            raise EngineInputError("the context is empty after tokenisation")
+        if len(words) + cfg.max_tokens > self.generation_positions:
+            raise EngineInputError("too long")
+        return FakeGeneration(self, words, cfg)
+
     def predict(
         self,
         context: str,
@@ -296,8 +310,9 @@ class FakeEngine:
             math.exp(-sum(trime) / len(trime)) if memory is not None else None,
         )
 
-    def rebuild(self, *, crash_at: str | None = None) -> BuildInfo:
+    def rebuild(self, *, crash_at: str | None = None, retrain: bool = False) -> BuildInfo:
         self.built_version += 1
+        self.retrained = retrain
         n = len(self._live())
         return BuildInfo(self.built_version, n, len(self.entries), {"kind": "flat"})
 
@@ -327,3 +342,57 @@ class FakeEngine:
             "bytes_in_ram": 8 * live,
             "index_version": self.served_version or None,
         }
+
+
+class FakeGeneration:
+    """``memlm.generate.Generation`` over the fake engine's predictions (see the module doc)."""
+
+    def __init__(self, engine: FakeEngine, words: list[str], cfg: GenerateConfig) -> None:
+        self.engine, self.words, self.cfg = engine, list(words), cfg
+        self.context_tokens = len(words)
+        self.seed = None if cfg.greedy else (cfg.seed if cfg.seed is not None else 7)
+        self.rng = None if self.seed is None else np.random.default_rng(self.seed)
+        self.index_version = engine.served_version or None
+        self.new: list[str] = []
+        self._text = StopText(lambda ids: "".join(f" {self.new[i]}" for i in ids), cfg.stop)
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self._text.final if self._text.final is not None else self._text.emitted
+
+    @property
+    def stop_matched(self) -> str | None:
+        return self._text.matched
+
+    def step(self, n: int) -> list[GeneratedToken]:
+        out = []
+        while len(out) < n and not self.done:
+            pred = self.engine.predict(
+                " ".join(self.words), top_n=100, neighbours=1 if self.cfg.neighbour else 0
+            )
+            probs = np.array([s.prob for s in pred.suggestions])
+            if self.rng is None:
+                pick = 0
+            else:
+                pick = int(self.rng.choice(len(probs), p=probs / probs.sum()))
+            s = pred.suggestions[pick]
+            self.words.append(s.token)
+            self.new.append(s.token)
+            last = len(self.new) >= self.cfg.max_tokens
+            delta = self._text.push(range(len(self.new)), last)
+            if self._text.matched is not None:
+                self.finish_reason = "stop"
+            elif last:
+                self.finish_reason = "length"
+            nb = pred.neighbours[0] if pred.neighbours else None
+            out.append(
+                GeneratedToken(
+                    s.token_id, f" {s.token}", delta, s.prob, s.lm_prob, s.knn_prob, pred.lam, nb
+                )
+            )
+        return out

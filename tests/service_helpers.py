@@ -30,6 +30,10 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
         "protect_read": False,
         "worker_poll_seconds": 0.05,
         "index_poll_seconds": 3600,
+        # Exact expectations need the same numbers on every processor: no probe (auto
+        # could choose bfloat16 on one machine and float32 on another), no GPU.
+        "precision": "float32",
+        "device": "cpu",
     }
     base.update(over)
     return Settings(_env_file=None, **base)  # type: ignore[call-arg]
@@ -43,14 +47,15 @@ def doc(text: str, day: str = "2017-02-07", source: str = "test", **kw: Any) -> 
 def serve(app: Any, *, start_timeout: float = 60, **config: Any) -> Iterator[str]:
     """``app`` served by a real uvicorn on 127.0.0.1 from a thread: yields its base URL.
 
-    ``config``: more ``uvicorn.Config`` options (``timeout_keep_alive``...).
+    ``config``: more ``uvicorn.Config`` options (``timeout_keep_alive``, ``log_level``...).
     """
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
+    config = {"log_level": "warning", **config}
+    srv = uvicorn.Server(uvicorn.Config(app, lifespan="on", **config))
     t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     deadline = time.monotonic() + start_timeout

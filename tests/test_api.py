@@ -234,6 +234,23 @@ def test_rebuild_requests_coalesce_and_keys_are_idempotent(env: Env) -> None:
     )
 
 
+def test_rebuild_retrain_option_reaches_the_engine_and_the_record(env: Env) -> None:
+    """``retrain`` joins a queued request (which then retrains); a plain request after
+    it joins that one; the record says it retrained; a plain build does not."""
+    c = env.client
+    plain = c.post("/admin/rebuild", headers=ADMIN).json()
+    forced = c.post("/admin/rebuild", headers=ADMIN, json={"retrain": True}).json()
+    assert forced["id"] == plain["id"]
+    assert c.post("/admin/rebuild", headers=ADMIN, json={"retrain": "maybe"}).status_code == 422
+    assert env.drain() == 1
+    assert env.engine.retrained is True
+    done = c.get(f"/admin/builds/{plain['id']}", headers=ADMIN).json()
+    assert done["status"] == "done" and done["params"]["retrain"] is True
+    again = c.post("/admin/rebuild", headers=ADMIN).json()
+    assert env.drain() == 1 and env.engine.retrained is False
+    assert "retrain" not in c.get(f"/admin/builds/{again['id']}", headers=ADMIN).json()["params"]
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
@@ -835,6 +852,7 @@ def test_openapi_lists_every_route_with_examples(env: Env) -> None:
         "/documents/{doc_id}",
         "/predict",
         "/score",
+        "/generate",
         "/admin/stats",
         "/admin/rebuild",
         "/admin/policy",
@@ -868,7 +886,9 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
         "GET /documents/{doc_id}": [401, 404, 422, 500],
         "POST /predict": sorted([*body, *auth, 422, 429, 500, 503]),
         "POST /score": sorted([*body, *auth, 422, 429, 500, 503]),
+        "POST /generate": sorted([*body, *auth, 422, 429, 500, 503]),
         "GET /admin/stats": [401, 429, 500, 503],
+        "GET /admin/stats/history": [401, 429, 500],  # the model loading: 200, stats null
         "POST /admin/rebuild": sorted([*body, *auth, 422, 500]),
         "GET /admin/builds/{build_id}": [401, 404, 422, 500],
         "GET /admin/policy": [401, 500],

@@ -18,10 +18,10 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
+from memlm.cli.compose import build_app
+from memlm.engine import open_engine
 from tests.service_helpers import ADMIN, INGEST, doc, make_settings, serve
 from tests.texts import random_text
-from workers.engine import open_engine
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
         tmp_path, url, model="tiny-gpt2", policy="fullmem", queue_size=64, embedded_worker=True
     )
     engine = open_engine(settings, encoder=tiny)
-    app = create_app(settings, engine=engine, run_worker=True, poll=False)
+    app = build_app(settings, engine=engine, poll=False)  # with the embedded worker
     rng = random.Random(7)
     texts = [random_text(rng, rng.randint(150, 500)) for _ in range(100)]
     contexts = [random_text(rng, 700) for _ in range(8)]

@@ -20,12 +20,12 @@ from sqlalchemy import select
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument, SpanRepository
+from memlm.engine import day_number, open_engine, policy_factory
 from memlm.index import current_version, list_versions
 from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
 from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
-from workers.engine import day_number, open_engine, policy_factory
 from workers.ingest import IngestWorker
 
 TEXT = (

@@ -303,7 +303,8 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
 
 
 def test_the_calibrator_is_served_only_when_it_beats_the_constant(tmp_path: Path) -> None:
-    from memlm.calibrator import ServedCalibration, _rows, training_set, validation_rows
+    from memlm.calibrator import ServedCalibration, training_set, validation_rows
+    from memlm.calibrator.stream import token_rows
     from memlm.interpolation import SERVED_GRID
     from memlm.knnlm import interpolate
 
@@ -326,7 +327,7 @@ def test_the_calibrator_is_served_only_when_it_beats_the_constant(tmp_path: Path
     rows = served.training_rows()
     val_mask = validation_rows(rows, cal.cfg)
     assert int(val_mask.sum()) == report["calibrator"]["val_tokens"]  # the split retrain made
-    val = training_set(_rows(rows, val_mask), choice.params, cal.cfg.features)
+    val = training_set(token_rows(rows, val_mask), choice.params, cal.cfg.features)
     const_nll = -interpolate(
         val.lm_lp.astype(np.float64),
         val.knn_lp.astype(np.float64),

@@ -15,13 +15,13 @@ from fastapi.testclient import TestClient
 
 from memlm.calibrator import Calibrator, epochs_for, token_features
 from memlm.db.repositories import DocumentRepository, NewDocument
+from memlm.engine import open_engine, policy_factory
 from memlm.heldout import HeldOutRecorder
 from memlm.knnlm import has_neighbours, interpolate, knn_logprob
 from memlm.lexical import LexicalStats
 from service.app import create_app, sync_index
 from tests.service_helpers import ADMIN, make_settings
 from workers.builder import enqueue_rebuild
-from workers.engine import open_engine, policy_factory
 from workers.ingest import IngestWorker, SimulatedCrash
 
 DAY_A, DAY_B = dt.date(2017, 2, 7), dt.date(2017, 2, 8)
@@ -182,6 +182,8 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
             "model": "tiny-llama",
             "index_version": "2",
             "calibrator_version": None,
+            "device": "cpu",
+            "precision": "float32",
         }
 
         # --- rebuild 3: nothing new; the calibrator is carried beside version 3 ------------

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import memlm.corpus
+import memlm.encoder
 import memlm.evaluate
 from memlm.cli import app
 from memlm.knnlm import KnnParams
@@ -24,7 +25,49 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(memlm.evaluate, "evaluate", fake_evaluate)
     monkeypatch.setattr(memlm.corpus, "load_corpus", lambda name: [])
+    monkeypatch.setattr(memlm.encoder.Encoder, "load", classmethod(fake_load([])))
     return seen
+
+
+@pytest.fixture
+def loads(captured: list[Any], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """How `memlm eval` asked Encoder.load for its model."""
+    seen: list[Any] = []
+    monkeypatch.setattr(memlm.encoder.Encoder, "load", classmethod(fake_load(seen)))
+    return seen
+
+
+def fake_load(seen: list[Any]) -> Any:
+    """Encoder.load recording how it was asked to load (no model is read)."""
+
+    def load(cls: Any, name: str, **kw: Any) -> Any:
+        seen.append(("load", name, kw))
+        if kw.get("device") == "cuda:7":
+            raise memlm.encoder.EncoderError("device 'cuda:7': torch sees no CUDA device")
+        return type("Loaded", (), {"device": kw["device"], "precision": kw["precision"]})()
+
+    return load
+
+
+def test_precision_and_device_reach_the_encoder(
+    loads: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MEMLM_PRECISION", raising=False)
+    monkeypatch.delenv("MEMLM_DEVICE", raising=False)
+    CliRunner().invoke(app, ["eval", "--out", str(tmp_path)])
+    assert loads[0] == ("load", "smollm2-135m", {"threads": None, "precision": "auto",
+                                                    "device": "auto"})  # fmt: skip
+    loads.clear()
+    monkeypatch.setenv("MEMLM_PRECISION", "bfloat16")  # the service's settings, honoured
+    monkeypatch.setenv("MEMLM_DEVICE", "cpu")
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path)])
+    assert loads[0][2]["precision"] == "bfloat16" and loads[0][2]["device"] == "cpu"
+    assert "on cpu in bfloat16" in result.output
+    loads.clear()
+    result = CliRunner().invoke(
+        app, ["eval", "--out", str(tmp_path), "--precision", "int8", "--device", "cuda:7"]
+    )
+    assert result.exit_code == 2 and "cuda:7" in result.output
 
 
 def test_lambda_calibrated_and_ingest_options(captured: list[Any], tmp_path: Path) -> None:

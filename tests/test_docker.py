@@ -15,7 +15,7 @@ from memlm.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 MEMLM_SERVICES = ("migrate", "api", "worker", "scheduler")
 # Variables read from the environment outside the settings object, and by whom.
-READ_ELSEWHERE = {"MEMLM_CACHE_DIR": ROOT / "memlm" / "encoder.py"}
+READ_ELSEWHERE = {"MEMLM_CACHE_DIR": ROOT / "memlm" / "encoder" / "loading.py"}
 
 
 def _compose() -> dict[str, Any]:
@@ -101,7 +101,8 @@ def test_migrations_run_before_api_worker_and_scheduler() -> None:
 def test_images_install_the_package_itself_with_its_migrations(dockerfile: str) -> None:
     text = (ROOT / dockerfile).read_text()
     copied = set(re.findall(r"^COPY (\w+) \1$", text, flags=re.M))
-    assert copied == {"memlm", "service", "workers"}
+    assert copied == {"memlm", "service", "workers", "migrations"}
+    assert "COPY setup.py ./" in text  # it maps migrations/ into the package
     # Not editable: the image runs what the wheel ships (tests/test_packaging.py).
     assert "RUN pip install . " in text and "pip install -e" not in text
     assert 'ENTRYPOINT ["memlm"]' in text

@@ -95,6 +95,30 @@ def test_rebuild_and_forget(engine):
     assert all(nb.doc_id == 2 for nb in p.neighbours)
 
 
+def test_nightly_builds_are_incremental_and_forget_needs_no_build(engine):
+    """The second build adds to the first; a forgotten document leaves every search at
+    once (no build) and the next build removes its ids from the copy it writes."""
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    first = engine.rebuild()
+    assert (first.mode, first.reason) == ("full", "first build")
+    other = "A completely different story about mountains."
+    engine.process_document(2, other, 19001, policy="fullmem")
+    removed = engine.forget_document(1, TEXT)
+    p = engine.predict("The harbour authority in Port", neighbours=5)
+    assert p.neighbours and all(nb.doc_id == 2 for nb in p.neighbours)  # before any build
+    second = engine.rebuild()
+    assert (second.mode, second.base_version, second.removed) == ("incremental", 1, removed)
+    assert second.added == len(engine.encoder.tokenize(other)) - 1
+    assert second.entries == engine.stats()["entries"]
+    forced = engine.rebuild(retrain=True)
+    assert (forced.mode, forced.reason, forced.entries) == (
+        "full",
+        "retrain requested",
+        second.entries,
+    )
+    assert forced.record()["mode"] == "full"
+
+
 def test_bad_input(engine):
     with pytest.raises(EngineInputError):
         engine.score("a")
@@ -238,7 +262,7 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
     that the new version is served with."""
     import threading
 
-    import memlm.index as index_mod
+    import memlm.index.build as index_mod
 
     engine.process_document(1, TEXT, 19000, policy="fullmem")
     n0 = len(engine.datastore)

@@ -14,6 +14,7 @@ from memlm.datastore import Datastore, SimulatedCrash
 from memlm.index import (
     BUILD_CRASH_POINTS,
     CURRENT,
+    INCREMENTAL_CRASH_POINTS,
     IndexParams,
     MemoryIndex,
     build_index,
@@ -210,15 +211,23 @@ def test_versions_current_swap_and_prune(ds: Datastore, tmp_path: Path) -> None:
     assert list_versions(root) == [4, 5] and current_version(root) == 5
 
 
-@pytest.mark.parametrize("point", BUILD_CRASH_POINTS)
-def test_crash_during_build_keeps_old_version(ds: Datastore, tmp_path: Path, point: str) -> None:
+@pytest.mark.parametrize(
+    ("retrain", "point"),
+    [(True, p) for p in BUILD_CRASH_POINTS] + [(False, p) for p in INCREMENTAL_CRASH_POINTS],
+)
+def test_crash_during_build_keeps_old_version(
+    ds: Datastore, tmp_path: Path, retrain: bool, point: str
+) -> None:
+    """Full (retrain) and incremental builds, killed at each step: CURRENT still names
+    the old version, which serves; the next build goes through."""
     root = tmp_path / "ix"
     fill(ds, 300, 16)
     build_index(ds, root, FLAT, progress=False)
     mem = MemoryIndex(ds, root)
     fill(ds, 100, 17)
+    ds.delete_document(3)  # the incremental build removes it from its copy
     with pytest.raises(SimulatedCrash, match=point):
-        build_index(ds, root, FLAT, progress=False, crash_at=point)
+        build_index(ds, root, FLAT, retrain=retrain, progress=False, crash_at=point)
     assert current_version(root) == 1
     assert mem.reload() is False
     mem.refresh()
@@ -343,15 +352,17 @@ def test_for_size() -> None:
     assert (big.kind, big.nlist, big.m, big.nprobe, big.train_size) == (
         "ivfpq",
         4096,
-        64,
+        48,  # 48 + 8 id bytes + the quantizer: <= 80 B per served entry
         32,
-        1_000_000,
+        64 * 4096,
     )
+    assert big.train_sample == 64 * 4096
+    assert IndexParams(nlist=16, train_size=100_000).train_sample == 256 * 16  # faiss's most
     assert IndexParams.for_size(900_000, 576).nlist == 4096
     mid = IndexParams.for_size(100_000, 576)
     assert (mid.nlist, mid.m, mid.nprobe) == (1024, 16, 16)
     assert IndexParams.for_size(300_000, 768).m == 32
-    assert IndexParams.for_size(1_000_000, 100).m == 50  # largest divisor of dim <= 64
+    assert IndexParams.for_size(1_000_000, 100).m == 25  # largest divisor of dim <= 48
     with pytest.raises(ValueError, match="train_size"):
         IndexParams(kind="ivfpq", nlist=4096, train_size=1000)
 

@@ -107,3 +107,29 @@ def test_database_migrated_by_newer_code_is_refused_without_suggesting_upgrade(
         f"needs {head}): run the newer memlm, or its `memlm db downgrade {head}`"
     )
     eng.dispose()
+
+
+def test_alembic_command_line_from_the_checkout(tmp_path: Path) -> None:
+    """`alembic upgrade head` at the repository root uses the top-level migrations/."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    assert root / "migrations" == SCRIPT_LOCATION
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    env = {**os.environ, "MEMLM_DATABASE_URL": url}
+    out = subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    eng = make_engine(url)
+    try:
+        assert current_revision(eng) == head_revision()
+    finally:
+        eng.dispose()
+    assert _tables(url) == TABLES

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from memlm.cli import app
 from memlm.db.migrate import head_revision
+from memlm.db.models import IndexBuild
 
 
 def _run(tmp_path: Path, url: str, *args: str) -> tuple[int, str]:
@@ -108,3 +109,16 @@ def test_compact_removes_forgotten_rows_and_queues_a_build(tmp_path: Path, sqlit
         "compacted 0 segments: 0 rows of forgotten documents removed, 0 bytes reclaimed "
         "(120 over the store's life)\n"
     )
+
+
+def test_rebuild_retrain_queues_a_retraining_request(tmp_path: Path, sqlite_url: str) -> None:
+    from memlm.db.session import make_engine, make_sessionmaker
+
+    assert _run(tmp_path, sqlite_url, "db", "upgrade")[0] == 0
+    code, out = _run(tmp_path, sqlite_url, "rebuild", "--key", "plain")
+    assert code == 0 and "new=True" in out
+    code, out = _run(tmp_path, sqlite_url, "rebuild", "--key", "forced", "--retrain")
+    assert code == 0 and "new=True" in out
+    with make_sessionmaker(make_engine(sqlite_url))() as s:
+        rows = {r.request_key: r for r in s.query(IndexBuild).all()}
+    assert rows["plain"].params == {} and rows["forced"].params == {"retrain": True}

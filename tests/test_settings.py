@@ -105,3 +105,16 @@ def test_read_token_is_checked_like_the_others() -> None:
 def test_bad_values_fail_fast(field: str, value: object, needle: str) -> None:
     with pytest.raises(ValidationError, match=needle):
         make(**{field: value})
+
+
+def test_precision_and_device_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEMLM_PRECISION", raising=False)
+    monkeypatch.delenv("MEMLM_DEVICE", raising=False)
+    s = make()
+    assert (s.precision, s.device) == ("auto", "auto")
+    s = make(precision="bfloat16", device="cuda:1")
+    assert (s.precision, s.device) == ("bfloat16", "cuda:1")
+    with pytest.raises(ValidationError):
+        make(precision="fp8")
+    with pytest.raises(ValidationError):
+        make(device="gpu")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.train.data import EncodedCorpus, stream_segments
+from memlm.train.data import EncodedCorpus, make_segments, stream_segments
 from memlm.train.transformer_train import (
     STATE_FILE,
     ModelConfig,
@@ -19,7 +19,6 @@ from memlm.train.transformer_train import (
     batch_plan,
     build_model,
     encode_segments,
-    make_segments,
     memory_logprobs,
     parameter_counts,
     perplexity,

@@ -302,7 +302,8 @@ def test_reconcile_reads_records_under_the_build_lock_and_deletes_only_when_free
     import threading
 
     from memlm.db.repositories import BuildRepository
-    from workers.builder import enqueue_rebuild, reconcile_index
+    from memlm.engine import reconcile_index
+    from workers.builder import enqueue_rebuild
 
     _, sessions, _, _ = setup
     engine = ReconcilingEngine()
@@ -359,8 +360,8 @@ def test_randmem_takes_rate_and_seed_from_the_settings_or_monims_measured_rate(
     import datetime as dt
 
     from memlm.db.repositories import PolicyRepository, StatsRepository
+    from memlm.engine import policy_factory
     from memlm.policy import RandMem
-    from workers.engine import policy_factory
 
     sessions = make_sessions(sqlite_url)
 

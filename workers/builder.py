@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
 from memlm.db.session import purge_wal
+from memlm.engine import EngineLike
 from memlm.locks import LockBusy
-from workers.engine import EngineLike
 
 log = logging.getLogger(__name__)
 
@@ -27,48 +27,19 @@ def nightly_key(day: dt.date) -> str:
 
 
 def enqueue_rebuild(
-    sessions: sessionmaker[Session], *, key: str | None = None, requested_by: str = "manual"
+    sessions: sessionmaker[Session],
+    *,
+    key: str | None = None,
+    requested_by: str = "manual",
+    retrain: bool = False,
 ) -> tuple[IndexBuild, bool]:
-    """Request a build. With a key, the same key twice gives the first request; without,
-    the request joins a build already queued or running, else a new one is queued."""
+    """Request a build in a transaction of its own (``BuildRepository.request``)."""
     with sessions.begin() as s:
-        builds = BuildRepository(s)
-        if key is None:
-            pending = builds.open_request()
-            if pending is not None:
-                return pending, False
-            key = f"{requested_by}:{dt.datetime.now(dt.UTC).isoformat(timespec='microseconds')}"
-        return builds.enqueue(key, requested_by)
+        return BuildRepository(s).request(key, requested_by, retrain=retrain)
 
 
-def reconcile_index(
-    engine: EngineLike, sessions: sessionmaker[Session], *, delete: bool
-) -> list[int]:
-    """Serve only recorded index versions; with ``delete`` (the worker at start) remove
-    the orphans of builds killed before their record. Returns the orphan versions.
-
-    Orphans are deleted, not adopted: their build request is still marked running, so
-    start-up queues it again and it is rebuilt from the datastore as it is now, this time
-    with its calibrator step and its record (an adopted directory may lack both).
-    """
-    reconcile = getattr(engine, "reconcile_index", None)
-    if reconcile is None:  # an engine without versioned directories (the fake)
-        return []
-    with contextlib.ExitStack() as held:
-        if delete:
-            try:  # the records are read under the lock: a build finishing now is kept
-                held.enter_context(engine.building(timeout=0))
-            except LockBusy:  # another process builds: its directory is not an orphan
-                delete = False
-        with sessions() as s:
-            recorded = BuildRepository(s).recorded_versions()
-        orphans: list[int] = reconcile(recorded, delete=delete)
-    for v in orphans:
-        if delete:
-            log.warning("deleted index version %d: no build record names it", v)
-        else:
-            log.warning("not serving index version %d: no build record names it", v)
-    return orphans
+def _wants_retrain(row: IndexBuild) -> bool:
+    return bool((row.params or {}).get("retrain"))
 
 
 def _params(info: Any) -> dict[str, Any]:
@@ -76,6 +47,17 @@ def _params(info: Any) -> dict[str, Any]:
     if params is None:
         return {}
     return dict(params.to_json() if hasattr(params, "to_json") else params)
+
+
+def _sizes(engine: EngineLike) -> dict[str, int]:
+    """Entries and bytes (on disk, in RAM) of the memory as the engine reports them now."""
+    try:
+        stats = engine.stats()
+    except Exception:  # a figure for the dashboard must never fail a finished build
+        log.exception("reading the memory's size after the build failed")
+        return {}
+    names = ("bytes_on_disk", "bytes_in_ram")
+    return {n: int(stats[n]) for n in names if stats.get(n) is not None}
 
 
 def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str | None:
@@ -100,15 +82,22 @@ def run_queued_build(engine: EngineLike, sessions: sessionmaker[Session]) -> str
             row = builds.claim_queued()
             if row is None:
                 return None
-            build_id, key = row.id, row.request_key
-        return _build(engine, sessions, build_id, key)
+            build_id, key, retrain = row.id, row.request_key, _wants_retrain(row)
+        return _build(engine, sessions, build_id, key, retrain=retrain)
 
 
-def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, key: str) -> str:
-    log.info("building index for request %s", key)
+def _build(
+    engine: EngineLike,
+    sessions: sessionmaker[Session],
+    build_id: int,
+    key: str,
+    *,
+    retrain: bool = False,
+) -> str:
+    log.info("building index for request %s%s", key, " (retrain)" if retrain else "")
     t0 = time.perf_counter()
     try:
-        info = engine.rebuild()
+        info = engine.rebuild(retrain=True) if retrain else engine.rebuild()
     except Exception:
         log.exception("index build %s failed", key)
         with sessions.begin() as s:
@@ -116,6 +105,11 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
         return key
     seconds = time.perf_counter() - t0
     params = _params(info)
+    if retrain:
+        params["retrain"] = True
+    record = getattr(info, "record", None)
+    if callable(record):  # full or incremental, why, what it added and removed
+        params["build"] = record()
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator
@@ -125,6 +119,9 @@ def _build(engine: EngineLike, sessions: sessionmaker[Session], build_id: int, k
     interpolation = getattr(info, "interpolation", None)
     if interpolation is not None:  # the constant chosen and whether the calibrator beat it
         params["interpolation"] = interpolation
+    sizes = _sizes(engine)
+    if sizes:  # the memory's size after the build: the dashboard's bytes over time
+        params["sizes"] = sizes
     with sessions.begin() as s:
         BuildRepository(s).finish(
             build_id,

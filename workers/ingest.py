@@ -46,10 +46,10 @@ from memlm.db.repositories import (
     SpanRepository,
     StatsRepository,
 )
+from memlm.engine import EngineLike, day_number, policy_params, reconcile_index
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
-from workers.builder import reconcile_index, run_queued_build, start_builder
-from workers.engine import EngineLike, day_number, policy_params
+from workers.builder import run_queued_build, start_builder
 from workers.liveness import PgWorkerLock, pg_worker_alive
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ _COMMAND_MODULES = [
     "memlm.cli.eval_cmd",
     "memlm.cli.train_cmd",
     "memlm.cli.service_cmd",
+    "memlm.cli.client_cmd",
     "memlm.cli.memory_cmd",
 ]
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from typing import Literal
 
 import typer
+
+from memlm.policy import POLICY_NAMES
+
+IndexKind = Literal["auto", "flat"]
 
 
 class LambdaMode(StrEnum):
@@ -24,7 +29,8 @@ def eval_command(
     max_docs_per_day: int | None = typer.Option(None, help="ingest at most N documents a day"),
     max_eval_docs_per_day: int | None = typer.Option(2, help="dev and test documents a day (each)"),
     policies: str = typer.Option(
-        "fullmem,randmem,monim,monim-amt,monim-kl", help="comma-separated; 'bare' always runs"
+        ",".join(POLICY_NAMES),
+        help=f"comma-separated, of: {', '.join(POLICY_NAMES)}; 'bare' always runs",
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(
@@ -56,7 +62,7 @@ def eval_command(
         "its own as split.json); replaces the seeded split and the per-day limits",
     ),
     k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
-    index_kind: str = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
+    index_kind: IndexKind = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
     seed: int = typer.Option(0),
     threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
     keep_stores: bool = typer.Option(False, help="keep each policy's datastore and index"),
@@ -74,6 +80,15 @@ def eval_command(
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
     ),
+    precision: str = typer.Option(
+        "auto",
+        envvar="MEMLM_PRECISION",
+        help="auto (probed once per processor and model, cached), float32, bfloat16, "
+        "float16 (CUDA) or int8 (CPU)",
+    ),
+    device: str = typer.Option(
+        "auto", envvar="MEMLM_DEVICE", help="auto (CUDA when torch sees it), cpu, cuda[:N]"
+    ),
 ) -> None:
     """Stream a corpus day by day through each policy; write report.json, report.md, plots."""
     import datetime as dt
@@ -86,6 +101,13 @@ def eval_command(
     from memlm.knnlm import KnnParams
 
     logging.basicConfig(level=logging.WARNING)
+    chosen = [p.strip() for p in policies.split(",") if p.strip() and p.strip() != "bare"]
+    unknown = sorted(set(chosen) - set(POLICY_NAMES))
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}",
+            param_hint="--policies",
+        )
     ingest = (ingest_k, ingest_temperature, ingest_lambda)
     if any(v is not None for v in ingest) and any(v is None for v in ingest):
         raise typer.BadParameter(
@@ -137,7 +159,7 @@ def eval_command(
         max_docs_per_day=max_docs_per_day,
         max_eval_docs_per_day=max_eval_docs_per_day,
         seed=seed,
-        policies=tuple(p.strip() for p in policies.split(",") if p.strip() and p.strip() != "bare"),
+        policies=tuple(chosen),
         delta=delta,
         kl_delta=kl_delta,
         rand_rate=rand_rate,
@@ -155,8 +177,15 @@ def eval_command(
         lambda_mode=lambda_mode.value,
         gate_theta=gate_theta,
     )
+    from memlm.encoder import Encoder, EncoderError
+
     try:
-        report = evaluate(cfg, load_corpus(corpus), out, echo=typer.echo)
+        encoder = Encoder.load(model, threads=threads, precision=precision, device=device)
+    except EncoderError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--precision / --device") from exc
+    typer.echo(f"encoder: {model} on {encoder.device} in {encoder.precision}")
+    try:
+        report = evaluate(cfg, load_corpus(corpus), out, encoder=encoder, echo=typer.echo)
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
     from memlm.evaluate import render_markdown

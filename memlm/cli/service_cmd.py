@@ -76,9 +76,9 @@ def _migrated_sessions(settings: Any) -> Any:
 def _serve(settings: Any, host: str, port: int) -> None:
     import uvicorn
 
-    from service.app import create_app
+    from memlm.cli.compose import build_app
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
+    uvicorn.run(build_app(settings), host=host, port=port, log_config=None)
 
 
 def _queue_demo(settings: Any, days: int) -> int:
@@ -187,7 +187,7 @@ def worker(
 ) -> None:
     """Run the ingest worker (and queued index builds) until interrupted."""
     _logging()
-    from workers.engine import open_engine, policy_factory
+    from memlm.engine import open_engine, policy_factory
     from workers.ingest import IngestWorker
 
     settings = _settings()
@@ -214,13 +214,19 @@ def scheduler() -> None:
 def rebuild(
     key: str = typer.Option(None, help="idempotency key: the same key builds once"),
     wait: bool = typer.Option(False, "--wait", help="wait until a worker has built it"),
+    retrain: bool = typer.Option(
+        False,
+        "--retrain",
+        help="train the index from scratch (otherwise a build adds to the served version "
+        "and retrains only when the memory grew 4x since the last training)",
+    ),
 ) -> None:
     """Request an index build; a running worker builds it and the API swaps to it."""
     from memlm.db.repositories import BuildRepository
     from workers.builder import enqueue_rebuild
 
     sessions = _migrated_sessions(_settings())
-    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli")
+    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli", retrain=retrain)
     typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
     while wait and row.status in ("queued", "building"):
         time.sleep(1)

@@ -10,12 +10,19 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
 
-# Architecture name -> "module:function".  Add an architecture with one line here.
-RUNNERS: dict[str, str] = {
+# The choices of --arch, --objective and --tokenizer: Literal types so that `--help` lists
+# them and typer refuses anything else before a model loads (tests/test_cli_choices.py
+# checks them against RUNNERS and memlm.train.transformer_train.OBJECTIVES).
+Arch = Literal["lstm", "attention", "kv", "kvp", "ngram", "transformer"]
+Objective = Literal["vanilla", "trime", "trime-long", "trime-ext"]
+Tokenizer = Literal["word", "subword"]
+
+# Architecture name -> "module:function".  Add an architecture here and to ``Arch``.
+RUNNERS: dict[Arch, str] = {
     "lstm": "memlm.train.lstm_train:run",
     "attention": "memlm.train.lstm_train:run",
     "kv": "memlm.train.lstm_train:run",
@@ -36,12 +43,14 @@ def _parse_sets(pairs: list[str]) -> dict[str, str]:
 
 
 def train(
-    arch: str = typer.Option(..., "--arch", help=f"one of: {', '.join(RUNNERS)}"),
+    arch: Arch = typer.Option(..., "--arch", help="the language model to train"),
     out: Path = typer.Option(Path("runs/train"), "--out", help="folder for checkpoint + metrics"),
-    objective: str = typer.Option("vanilla", help="training objective (architecture-specific)"),
+    objective: Objective = typer.Option(
+        "vanilla", help="training objective; the TRIME ones need --arch transformer"
+    ),
     corpus: str = typer.Option("news", help="'news' or a JSONL path"),
-    tokenizer: str | None = typer.Option(
-        None, help="'word' (numbers -> N, UNK) or 'subword'; default word, transformer subword"
+    tokenizer: Tokenizer | None = typer.Option(
+        None, help="word (numbers -> N, UNK) or subword; default word, transformer subword"
     ),
     vocab_size: int = typer.Option(10_000, help="word vocabulary size incl. <eos>, <unk>"),
     seed: int = typer.Option(0),
@@ -74,8 +83,11 @@ def train(
     """Train a language model and print its dev/test perplexity as JSON."""
     from memlm.train import TrainRequest, train_defaults
 
-    if arch not in RUNNERS:
-        raise typer.BadParameter(f"unknown arch {arch!r}; choose from {', '.join(RUNNERS)}")
+    if objective != "vanilla" and arch != "transformer":
+        raise typer.BadParameter(
+            f"{objective} trains a transformer; --arch {arch} trains with vanilla only",
+            param_hint="--objective",
+        )
     given = {"batch_size": batch_size, "bptt": bptt, "lr": lr, "clip": clip}
     chosen: dict[str, Any] = train_defaults(arch, continuing=init_from is not None) | {
         k: v for k, v in (given | {"tokenizer": tokenizer}).items() if v is not None

@@ -74,6 +74,7 @@ from memlm.datastore.layout import (
     MANIFEST,
     TOMBSTONES,
     DatastoreError,
+    KeyPrecisionMismatch,
     SimulatedCrash,
 )
 from memlm.datastore.store import Datastore
@@ -91,6 +92,7 @@ __all__ = [
     "Compaction",
     "Datastore",
     "DatastoreError",
+    "KeyPrecisionMismatch",
     "SimulatedCrash",
     "atomic_write_text",
     "fsync_dir",

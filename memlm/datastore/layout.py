@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,21 @@ _IDS_DTYPE = np.dtype(np.int32)  # a compacted segment's in-segment offsets (< 2
 
 class DatastoreError(ValueError):
     """Bad input to the datastore, or a datastore directory that is not valid."""
+
+
+class KeyPrecisionMismatch(DatastoreError):
+    """The store's keys were made in another encoder precision than the one opening it."""
+
+    def __init__(self, path: Path, stored: str, wanted: str) -> None:
+        self.stored, self.wanted = stored, wanted
+        super().__init__(
+            f"{path}: the datastore's keys were made with the encoder in {stored}, and this "
+            f"encoder runs in {wanted}. Keys of two precisions are two key spaces: searching "
+            f"or extending one with the other would silently mix them, so the store is not "
+            f"opened. Serve it with MEMLM_PRECISION={stored} (or auto, which follows an "
+            f"existing datastore), or re-encode: start a new data directory with "
+            f"MEMLM_PRECISION={wanted} and ingest the documents again."
+        )
 
 
 class SimulatedCrash(RuntimeError):

@@ -28,6 +28,10 @@ class _Manifest:
     # know which of its ids now name different entries (see ``unchanged_below``).
     truncations: list[tuple[int, int]] = field(default_factory=list)
     legacy_deleted: list[int] | None = None  # a v1 manifest's inline deleted documents
+    # The encoder precision the keys were made with (MEMLM_PRECISION). Keys of two
+    # precisions are two key spaces: a store never mixes them (Datastore.open refuses).
+    # Stores written before the field existed hold float32 keys.
+    key_precision: str = "float32"
 
     @property
     def total(self) -> int:
@@ -49,6 +53,7 @@ class _Manifest:
             reclaimed_bytes=self.reclaimed_bytes,
             generation=self.generation + 1,
             truncations=list(self.truncations),
+            key_precision=self.key_precision,
         )
         for k, v in kw.items():
             setattr(out, k, v)
@@ -61,6 +66,7 @@ class _Manifest:
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
                 "dim": self.dim,
+                "key_precision": self.key_precision,
                 "max_segment_entries": self.max_segment_entries,
                 "generation": self.generation,
                 "segments": [
@@ -94,6 +100,7 @@ class _Manifest:
                 names=[str(s.get("files", s["name"])) for s in segs],
                 generation=int(raw["generation"]),
                 truncations=[(int(g), int(n)) for g, n in raw["truncations"]],
+                key_precision=str(raw.get("key_precision", "float32")),
             )
             if version == 1:
                 m.legacy_deleted = sorted({int(d) for d in raw["deleted_documents"]})

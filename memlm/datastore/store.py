@@ -7,7 +7,12 @@ from pathlib import Path
 
 from memlm.datastore.durable import _stat_key, _take_writer_lock, atomic_write_text
 from memlm.datastore.forget import _Forget
-from memlm.datastore.layout import DEFAULT_MAX_SEGMENT_ENTRIES, MANIFEST, DatastoreError
+from memlm.datastore.layout import (
+    DEFAULT_MAX_SEGMENT_ENTRIES,
+    MANIFEST,
+    DatastoreError,
+    KeyPrecisionMismatch,
+)
 from memlm.datastore.manifest import _Manifest
 
 
@@ -29,6 +34,7 @@ class Datastore(_Forget):
         max_segment_entries: int = DEFAULT_MAX_SEGMENT_ENTRIES,
         readonly: bool = False,
         shared: bool = False,
+        key_precision: str | None = None,
     ) -> Datastore:
         """Open the datastore at ``path``, creating it when missing (``dim`` required then).
 
@@ -39,6 +45,9 @@ class Datastore(_Forget):
         ``shared=True`` opens a writer that holds the lock only inside ``exclusive()``
         (and while opening), so several processes can write in turn.
         ``max_segment_entries`` only applies at creation; an existing store keeps its own.
+        ``key_precision`` (the encoder's MEMLM_PRECISION) is recorded at creation; opening
+        a store whose keys were made in another precision raises KeyPrecisionMismatch:
+        keys of two precisions are two key spaces, and one store never mixes them.
         """
         if readonly and shared:
             raise ValueError("a datastore handle is read-only or a shared writer, not both")
@@ -55,12 +64,18 @@ class Datastore(_Forget):
                     raise DatastoreError(f"{p}: no datastore there and {why}")
                 if dim <= 0 or max_segment_entries <= 0:
                     raise DatastoreError("dim and max_segment_entries must be positive")
-                m = _Manifest(dim=int(dim), max_segment_entries=int(max_segment_entries))
+                m = _Manifest(
+                    dim=int(dim),
+                    max_segment_entries=int(max_segment_entries),
+                    key_precision=key_precision or "float32",
+                )
                 atomic_write_text(mpath, m.to_json())
             else:
                 m = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
                 if dim is not None and dim != m.dim:
                     raise DatastoreError(f"{p}: datastore has dim {m.dim}, caller expects {dim}")
+                if key_precision is not None and key_precision != m.key_precision:
+                    raise KeyPrecisionMismatch(p, m.key_precision, key_precision)
         except BaseException:
             if lock is not None:
                 os.close(lock)
@@ -87,6 +102,18 @@ class Datastore(_Forget):
             ds.close()
             raise
         return ds
+
+    @staticmethod
+    def stored_key_precision(path: str | os.PathLike[str]) -> str | None:
+        """The precision the keys of the store at ``path`` were made with; None: no store."""
+        mpath = Path(path) / MANIFEST
+        if not mpath.exists():
+            return None
+        return _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath).key_precision
+
+    @property
+    def key_precision(self) -> str:
+        return self._m.key_precision
 
     def __enter__(self) -> Datastore:
         return self

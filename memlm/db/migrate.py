@@ -12,9 +12,22 @@ from sqlalchemy import Engine
 
 from memlm.db.errors import DatabaseNotMigrated
 
-# The Alembic scripts ship inside the package (package data of memlm.db), so an installed
-# wheel migrates as well as a checkout; the repository's alembic.ini points here too.
-SCRIPT_LOCATION = Path(__file__).resolve().with_name("migrations")
+
+def _script_location() -> Path:
+    """The Alembic folder: inside the installed package, else the checkout's top level.
+
+    The scripts live in the repository's top-level ``migrations/`` (where alembic.ini
+    points); setup.py ships that folder inside the wheel as ``memlm/db/migrations``, so an
+    installed wheel migrates without a checkout.
+    """
+    here = Path(__file__).resolve()
+    for folder in (here.with_name("migrations"), here.parents[2] / "migrations"):
+        if (folder / "env.py").is_file():
+            return folder
+    return here.with_name("migrations")  # neither: Alembic names the missing folder
+
+
+SCRIPT_LOCATION = _script_location()
 
 
 def alembic_config(url: str) -> Config:

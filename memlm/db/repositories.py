@@ -353,12 +353,16 @@ class BuildRepository:
     def __init__(self, session: Session) -> None:
         self.s = session
 
-    def enqueue(self, key: str, requested_by: str) -> tuple[IndexBuild, bool]:
-        """Request a build under ``key``; the same key twice gives the first request."""
+    def enqueue(
+        self, key: str, requested_by: str, *, retrain: bool = False
+    ) -> tuple[IndexBuild, bool]:
+        """Request a build under ``key``; the same key twice gives the first request.
+        ``retrain``: train the index from scratch (``params["retrain"]`` until it ran)."""
         existing = self.s.scalars(select(IndexBuild).where(IndexBuild.request_key == key)).first()
         if existing is not None:
             return existing, False
-        row = IndexBuild(request_key=key, requested_by=requested_by, status="queued", params={})
+        params = {"retrain": True} if retrain else {}
+        row = IndexBuild(request_key=key, requested_by=requested_by, status="queued", params=params)
         try:
             with self.s.begin_nested():
                 self.s.add(row)
@@ -367,6 +371,29 @@ class BuildRepository:
             winner = self.s.scalars(select(IndexBuild).where(IndexBuild.request_key == key)).one()
             return winner, False
         return row, True
+
+    def request(
+        self, key: str | None = None, requested_by: str = "manual", *, retrain: bool = False
+    ) -> tuple[IndexBuild, bool]:
+        """Request a build. With a key, the same key twice gives the first request; without,
+        the request joins a build already queued or running, else a new one is queued.
+        Returns (the request, whether it is new).
+
+        ``retrain``: the build trains the index from scratch instead of adding to the served
+        version. It joins a queued request (which then retrains), not a running one that
+        does not retrain: a new request is queued after it.
+        """
+        if key is None:
+            pending = self.open_request()
+            if pending is not None and retrain and not (pending.params or {}).get("retrain"):
+                if pending.status == "queued":
+                    pending.params = {**(pending.params or {}), "retrain": True}
+                    return pending, False
+                pending = None  # running without retraining: queue one after it
+            if pending is not None:
+                return pending, False
+            key = f"{requested_by}:{utcnow().isoformat(timespec='microseconds')}"
+        return self.enqueue(key, requested_by, retrain=retrain)
 
     def open_request(self) -> IndexBuild | None:
         """A queued or running build, if any (manual requests coalesce onto it)."""

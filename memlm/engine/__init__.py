@@ -3,7 +3,8 @@
 It owns the encoder, the datastore and the served memory index of one data directory,
 and offers the operations of the data flow in DESIGN.md: memorise a document with a
 policy, predict the next token, score a text, rebuild the index, forget a document.
-No database and no HTTP here; the caller commits its own bookkeeping.
+No HTTP here, and the database only in opening.py (reads of its records); the caller
+commits its own bookkeeping.
 
 Modules, one responsibility each::
 
@@ -11,12 +12,16 @@ Modules, one responsibility each::
     core.py      state, served interpolation, scores of a text, build/write locks, reload
     ingest.py    ``process_document`` = ``prepare_document`` + ``store_document``
     predict.py   ``predict`` / ``predict_batch`` (words, TRIME memory, neighbours)
+    generation.py ``start_generation`` and the pieces :mod:`memlm.generate` steps with
     score.py     ``score``
     build.py     ``rebuild``, ``compact``, ``train_calibrator``, ``reconcile_index``
     forget.py    ``forget_document``, ``hide_documents``
     stats.py     ``stats``
     results.py   the dataclasses the operations return
     errors.py    ``EngineInputError``
+    protocol.py  ``EngineLike``: the calls the service and the workers make
+    opening.py   ``open_engine`` from the settings, the policy factory and its params,
+                 ``day_number``, ``reconcile_index`` (serve only recorded index versions)
 
 Importing the package is light (no torch, faiss or transformers): the names below load
 their module on first use, so the service can name the engine before the model loads.
@@ -31,6 +36,14 @@ if TYPE_CHECKING:
     from memlm.engine.core import BUILD_LOCK, ENGINE_CRASH_POINTS
     from memlm.engine.errors import EngineInputError
     from memlm.engine.facade import Engine
+    from memlm.engine.opening import (
+        day_number,
+        open_engine,
+        policy_factory,
+        policy_params,
+        reconcile_index,
+    )
+    from memlm.engine.protocol import EngineLike
     from memlm.engine.results import (
         ContextFit,
         IngestResult,
@@ -58,6 +71,12 @@ _LAZY = {
     "RebuildInfo": "memlm.engine.results",
     "ScoreResult": "memlm.engine.results",
     "Suggestion": "memlm.engine.results",
+    "EngineLike": "memlm.engine.protocol",
+    "day_number": "memlm.engine.opening",
+    "open_engine": "memlm.engine.opening",
+    "policy_factory": "memlm.engine.opening",
+    "policy_params": "memlm.engine.opening",
+    "reconcile_index": "memlm.engine.opening",
     "MemoryOptions": "memlm.knnlm",
     "make_policy": "memlm.policy",
 }
@@ -68,6 +87,7 @@ __all__ = [
     "ContextFit",
     "Engine",
     "EngineInputError",
+    "EngineLike",
     "IngestResult",
     "MemoryOptions",
     "Neighbour",
@@ -76,7 +96,12 @@ __all__ = [
     "RebuildInfo",
     "ScoreResult",
     "Suggestion",
+    "day_number",
     "make_policy",
+    "open_engine",
+    "policy_factory",
+    "policy_params",
+    "reconcile_index",
 ]
 
 

@@ -36,11 +36,18 @@ class BuildMixin(EngineCore):
     # --- maintenance ---------------------------------------------------------------------------
 
     def rebuild(
-        self, *, crash_at: str | None = None, params: IndexParams | None = None
+        self,
+        *,
+        crash_at: str | None = None,
+        params: IndexParams | None = None,
+        retrain: bool = False,
     ) -> RebuildInfo:
         """Build a new index version, choose its interpolation on the held-out tokens (the
         constant tuned on them, or the calibrator trained on them if it beats that constant
         on the same validation tokens), serve both.
+
+        The version is incremental (the served one plus the entries appended since, less
+        the compacted ones) unless ``retrain`` or ``build_index``'s rules ask for training.
 
         One build at a time per data directory, across processes (``build.lock``).
         """
@@ -51,7 +58,12 @@ class BuildMixin(EngineCore):
             self.sync()
             compaction = self.compact()
             info = build_index(
-                self.datastore, self.data_dir / "index", params, crash_at=crash_at, progress=False
+                self.datastore,
+                self.data_dir / "index",
+                params,
+                retrain=retrain,
+                crash_at=crash_at,
+                progress=False,
             )
             # ingest goes on during a build (workers.builder): the statistics are saved
             # between two documents, never half-way through one's update

@@ -93,6 +93,8 @@ class EngineCore:
                 dim=None if readonly else encoder.dim,
                 readonly=readonly,
                 shared=shared,
+                # refused when the store's keys were made in another precision (never mixed)
+                key_precision=encoder.precision,
             )
             self.index = MemoryIndex(self.datastore, self.data_dir / "index")
             self.memory = FaissMemory(self.datastore, self.index)

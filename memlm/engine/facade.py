@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from memlm.datastore import Datastore
 from memlm.encoder import BUNDLED_MODEL, Encoder, WindowConfig
 from memlm.engine.build import BuildMixin
 from memlm.engine.forget import ForgetMixin
+from memlm.engine.generation import GenerateMixin
 from memlm.engine.ingest import IngestMixin
 from memlm.engine.predict import PredictMixin
 from memlm.engine.score import ScoreMixin
@@ -16,8 +19,12 @@ from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams
 from memlm.policy import Policy, make_policy
 
+log = logging.getLogger(__name__)
 
-class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin):
+
+class Engine(
+    IngestMixin, GenerateMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin
+):
     """Encoder + datastore + memory index of one data directory."""
 
     @classmethod
@@ -39,10 +46,22 @@ class Engine(IngestMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, Sta
         shared: bool = False,
         grid: TuneGrid | None = SERVED_GRID,
         tune_min_tokens: int = MIN_TUNE_TOKENS,
+        precision: str = "float32",
+        device: str = "cpu",
         memory_url: str | None = None,
     ) -> Engine:
-        """Load the model (or use ``encoder``) and open the memory under ``data_dir``."""
-        enc = encoder or Encoder.load(model, threads=threads)
+        """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
+
+        ``precision="auto"`` keeps the precision an existing datastore's keys were made
+        with, and otherwise probes (memlm.encoder.precision); ``device="auto"`` takes CUDA
+        when torch sees it.
+        """
+        if encoder is None and precision == "auto":
+            stored = Datastore.stored_key_precision(Path(data_dir) / "datastore")
+            if stored is not None:
+                log.info("precision auto: %s, the precision of the datastore's keys", stored)
+                precision = stored
+        enc = encoder or Encoder.load(model, threads=threads, precision=precision, device=device)
         pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
         return cls(
             Path(data_dir),

@@ -41,6 +41,8 @@ class StatsMixin(EngineCore):
             "index_version": self.index.version,
             "index": idx,
             "model": self.encoder.name,
+            "device": str(self.encoder.device),
+            "precision": self.encoder.precision,  # of the transformer (MEMLM_PRECISION)
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
             "interpolation": self.served.to_json(),

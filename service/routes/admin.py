@@ -19,7 +19,6 @@ from service.schemas import (
     StatsResponse,
 )
 from service.stats import policy_out, read_db, summarise
-from workers.builder import enqueue_rebuild
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], dependencies=[AdminAuth], responses=error_responses(401)
@@ -33,6 +32,7 @@ def build_out(b: IndexBuild) -> BuildOut:
     params = dict(b.params or {})
     data["calibrator"] = params.pop("calibrator", None)
     data["interpolation"] = params.pop("interpolation", None)
+    data["sizes"] = params.pop("sizes", None)
     data["params"] = params or None
     return BuildOut.model_validate(data)
 
@@ -65,8 +65,10 @@ async def stats(state: State, engine: EngineDep) -> StatsResponse:
     responses=error_responses(400, 413, 422),
     summary="Request an index build (idempotent)",
 )
-def rebuild(state: State, body: RebuildRequest | None = None) -> BuildOut:
-    row, _ = enqueue_rebuild(state.sessions, key=body.key if body else None, requested_by="api")
+def rebuild(session: DbSession, body: RebuildRequest | None = None) -> BuildOut:
+    row, _ = BuildRepository(session).request(
+        body.key if body else None, requested_by="api", retrain=bool(body and body.retrain)
+    )
     return build_out(row)
 
 

@@ -32,11 +32,14 @@ def readyz(state: State) -> Response:
     if state.engine is None:
         reason = "model failed to load" if state.load_error else "model loading"
         return JSONResponse({"error": "unavailable", "detail": reason}, status_code=503)
+    encoder = getattr(state.engine, "encoder", None)  # test fakes have none
     body = Health(
         status="ready",
         model=state.settings.model,
         index_version=state.served_version,
         calibrator_version=state.calibrator_version,
+        device=None if encoder is None else str(encoder.device),
+        precision=getattr(encoder, "precision", None),
     )
     return JSONResponse(body.model_dump())
 

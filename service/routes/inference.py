@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.repositories import PolicyRepository
+from memlm.engine import policy_params
 from memlm.knnlm import MemoryOptions
 from memlm.settings import Settings
 from service.deps import EngineDep, ReadAccess, ReadAuth, State
@@ -29,7 +30,6 @@ from service.schemas import (
     WordSuggestionOut,
 )
 from service.state import AppState
-from workers.engine import policy_params
 
 router = APIRouter(tags=["inference"])
 

@@ -1,0 +1,202 @@
+"""The blocking client: ``Client(url, token=...)`` over ``httpx.Client``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import httpx
+from httpx_sse import connect_sse
+
+from memlm.client import _core
+from memlm.client._core import Call
+from memlm.client.errors import MemlmError
+from service.generate_schemas import GenerateDone, GeneratedTokenOut, GenerateResponse
+from service.schemas import (
+    AcceptedDocument,
+    BuildOut,
+    DocumentIn,
+    DocumentOut,
+    IngestResponse,
+    PolicyOut,
+    PredictResponse,
+    ScoreResponse,
+    StatsResponse,
+)
+
+M = TypeVar("M")
+
+
+class Client:
+    """The memlm API from Python; answers are the API's own pydantic models.
+
+    ``token``: the bearer token (ingest, read or admin, as the routes need); ``http``: an
+    ``httpx.Client`` to use instead of one of its own (tests pass Starlette's TestClient;
+    the caller closes it); ``sleep``: how retries wait (tests record it).
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        http: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        # sent with each request: a shared ``http`` client is left as it was given
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = http if http is not None else httpx.Client(base_url=url, timeout=timeout)
+        self._owns_http = http is None
+        self.sleep = sleep
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_http:
+            self.http.close()
+
+    # --- sending ----------------------------------------------------------------------
+
+    def _call(self, call: Call[M], *, retry: bool = False) -> M:
+        """Send ``call``; with ``retry``, again after a 429 (its Retry-After) or a cut."""
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(
+                    call.method, call.path, json=call.body, headers=self.headers
+                )
+                return call.parse(response)
+            except httpx.TransportError as exc:
+                error: MemlmError = _core.transport_error(exc)
+            except MemlmError as exc:
+                error = exc
+            wait = _core.pause(error, attempt) if retry else None
+            if wait is None:
+                raise error
+            self.sleep(wait)
+            attempt += 1
+
+    # --- documents --------------------------------------------------------------------
+
+    def ingest(
+        self,
+        docs: Iterable[DocumentIn | dict[str, Any]],
+        *,
+        batch_size: int = _core.BATCH,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[AcceptedDocument]:
+        """Queue documents (batched; each batch retried on 429 and on a broken connection,
+        which is safe: the server deduplicates by (source, external_id) and by content).
+
+        ``progress(n)`` is called after each batch with the documents it held.
+        """
+        out: list[AcceptedDocument] = []
+        for batch in _core.batches(_core.documents(docs), batch_size):
+            call: Call[IngestResponse] = Call(
+                "POST", "/ingest", {"documents": batch}, IngestResponse
+            )
+            out.extend(self._call(call, retry=True).documents)
+            if progress is not None:
+                progress(len(batch))
+        return out
+
+    def document(self, doc_id: int) -> DocumentOut:
+        return self._call(Call("GET", f"/documents/{doc_id}", None, DocumentOut))
+
+    def wait(
+        self, doc_ids: Sequence[int], *, timeout: float = 600.0, poll: float = 0.5
+    ) -> list[DocumentOut]:
+        """Poll until every document is done, failed or forgotten; TimeoutError if not."""
+        deadline = time.monotonic() + timeout
+        final: dict[int, DocumentOut] = {}
+        while True:
+            for i in doc_ids:
+                if i not in final:
+                    d = self.document(i)
+                    if d.status in _core.FINAL:
+                        final[i] = d
+            if len(final) == len(set(doc_ids)):
+                return [final[i] for i in doc_ids]
+            if time.monotonic() >= deadline:
+                left = sorted(set(doc_ids) - set(final))
+                raise TimeoutError(f"documents {left} not processed within {timeout} s")
+            self.sleep(poll)
+
+    # --- inference --------------------------------------------------------------------
+
+    def predict(self, context: str, **opts: Any) -> PredictResponse:
+        """``POST /predict``; ``opts``: top_n, neighbours, words, local_memory..."""
+        body = {"context": context, **_core.options(**opts)}
+        return self._call(Call("POST", "/predict", body, PredictResponse))
+
+    def score(self, text: str, **opts: Any) -> ScoreResponse:
+        body = {"text": text, **_core.options(**opts)}
+        return self._call(Call("POST", "/score", body, ScoreResponse))
+
+    def generate(self, context: str, **opts: Any) -> GenerateResponse:
+        """``POST /generate``; ``opts``: max_tokens, temperature, top_p, seed, stop, neighbour."""
+        body = {"context": context, **_core.options(**opts), "stream": False}
+        return self._call(Call("POST", "/generate", body, GenerateResponse))
+
+    def generate_stream(
+        self, context: str, **opts: Any
+    ) -> Iterator[GeneratedTokenOut | GenerateDone]:
+        """``POST /generate`` as server-sent events: each token as it comes, then the
+        GenerateDone; an error before the stream or an ``error`` event raises."""
+        body = {"context": context, **_core.options(**opts), "stream": True}
+        try:
+            with connect_sse(
+                self.http, "POST", "/generate", json=body, headers=self.headers
+            ) as source:
+                if source.response.status_code >= 400:
+                    source.response.read()
+                    raise _core.error_of(source.response)
+                for event in source.iter_sse():
+                    yield _core.sse_event(event.event, event.data)
+        except httpx.TransportError as exc:
+            raise _core.transport_error(exc) from exc
+
+    # --- admin ------------------------------------------------------------------------
+
+    def stats(self) -> StatsResponse:
+        return self._call(Call("GET", "/admin/stats", None, StatsResponse))
+
+    def rebuild(
+        self, key: str | None = None, *, wait: bool = False, timeout: float = 3600.0
+    ) -> BuildOut:
+        """Request an index build (idempotent by ``key``); ``wait``: until it finished."""
+        call: Call[BuildOut] = Call("POST", "/admin/rebuild", _core.options(key=key), BuildOut)
+        build = self._call(call)
+        deadline = time.monotonic() + timeout
+        while wait and build.status not in ("done", "failed"):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"build {build.id} not finished within {timeout} s")
+            self.sleep(1.0)
+            build = self.build(build.id)
+        return build
+
+    def build(self, build_id: int) -> BuildOut:
+        return self._call(Call("GET", f"/admin/builds/{build_id}", None, BuildOut))
+
+    def forget(self, doc_id: int) -> DocumentOut:
+        """Forget a document: its entries leave the memory (``DELETE /admin/documents``)."""
+        return self._call(Call("DELETE", f"/admin/documents/{doc_id}", None, DocumentOut))
+
+    def policy(
+        self,
+        policy: str | None = None,
+        *,
+        delta: float | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> PolicyOut:
+        """The active memorisation policy; with ``policy``, set it first."""
+        if policy is None:
+            return self._call(Call("GET", "/admin/policy", None, PolicyOut))
+        body = {"policy": policy, "delta": delta, "params": params or {}}
+        return self._call(Call("PUT", "/admin/policy", body, PolicyOut))

@@ -1,0 +1,1 @@
+"""The operator's dashboard: ``GET /dashboard`` and its data, ``GET /admin/stats/history``."""

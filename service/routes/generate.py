@@ -1,0 +1,177 @@
+"""POST /generate: a continuation under the augmented distribution, whole or streamed.
+
+The model work goes through the same executor as /predict: the first job (reading the
+context) is admitted by its cost like any request, and 429 comes before anything is
+streamed. The steps follow as jobs of ``MEMLM_GENERATE_CHUNK_TOKENS`` tokens each, queued
+as parts of an admitted request, so /predict and /score get the model thread between
+them. Each call owns its :class:`memlm.generate.Generation` (cache, random generator).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from fastapi.sse import format_sse_event
+from starlette.concurrency import run_in_threadpool
+
+from memlm.db.errors import DomainError
+from memlm.generate import GenerateConfig, GeneratedToken
+from service.deps import EngineDep, ReadAccess, State
+from service.errors import InvalidRequest, PayloadTooLarge, error_body, error_responses
+from service.generate_schemas import (
+    GenerateDone,
+    GeneratedTokenOut,
+    GenerateRequest,
+    GenerateResponse,
+)
+from service.provenance import provenance
+from service.routes.inference import off_loop_if_long, request_cost
+from service.schemas import NeighbourOut
+from service.state import AppState
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["inference"])
+
+# The executor's kinds: reading the context (admitted by its cost) and the steps.
+GENERATE, GENERATE_STEP = "generate", "generate-step"
+
+_STREAM = {
+    "description": "with `stream: true`: server-sent events, `event: token` (data: a "
+    "GeneratedTokenOut) per token, then `event: done` (data: GenerateDone) or "
+    '`event: error` (data: {"error", "detail"})',
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+def _config(body: GenerateRequest) -> GenerateConfig:
+    return GenerateConfig(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=tuple(body.stop),
+        neighbour=body.neighbour,
+    )
+
+
+async def _token_outs(
+    state: AppState, tokens: Sequence[GeneratedToken], may_read: bool
+) -> list[GeneratedTokenOut]:
+    found = [t.neighbour for t in tokens if t.neighbour is not None]
+    nbrs: list[NeighbourOut] = []
+    if found:  # database reads and snippets: a worker thread, not the event loop
+        nbrs = await run_in_threadpool(
+            partial(provenance, snippets=may_read),
+            state.sessions,
+            found,
+            state.cached["span_cache"],
+        )
+    it = iter(nbrs)
+    return [
+        GeneratedTokenOut(
+            token=t.token,
+            token_id=t.token_id,
+            text=t.text,
+            prob=t.prob,
+            lm_prob=t.lm_prob,
+            knn_prob=t.knn_prob,
+            **{"lambda": t.lam},
+            neighbour=next(it) if t.neighbour is not None else None,
+        )
+        for t in tokens
+    ]
+
+
+async def _chunks(
+    state: AppState, gen: Any, may_read: bool
+) -> AsyncIterator[list[GeneratedTokenOut]]:
+    """The continuation's tokens, a chunk per model-thread job, until it is done."""
+    n = state.settings.generate_chunk_tokens
+    while not gen.done:
+        tokens = await state.executor.call(
+            partial(gen.step, n), kind=GENERATE_STEP, cost=n, admitted=True
+        )
+        yield await _token_outs(state, tokens, may_read)
+
+
+def _done(gen: Any, produced: int) -> GenerateDone:
+    version = gen.index_version
+    return GenerateDone(
+        text=gen.text,
+        finish_reason=gen.finish_reason,
+        stop=gen.stop_matched,
+        seed=gen.seed,
+        context_tokens=gen.context_tokens,
+        generated_tokens=produced,
+        index_version=None if version is None else str(version),
+    )
+
+
+def _event(name: str, data: str) -> bytes:
+    return format_sse_event(event=name, data_str=data)
+
+
+async def _stream(state: AppState, gen: Any, may_read: bool) -> AsyncIterator[bytes]:
+    produced = 0
+    try:
+        async for chunk in _chunks(state, gen, may_read):
+            for tok in chunk:
+                produced += 1
+                yield _event("token", tok.model_dump_json(by_alias=True))
+        yield _event("done", _done(gen, produced).model_dump_json())
+    except DomainError as exc:  # the headers are gone: the error is the last event
+        yield _event("error", json.dumps(error_body(exc.error, str(exc))))
+    except Exception:
+        log.exception("/generate failed half-way through a stream")
+        yield _event("error", json.dumps(error_body("internal_error", "internal server error")))
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses={200: _STREAM, **error_responses(400, 401, 413, 422, 429, 503)},
+    summary="A continuation under the memory-augmented distribution (JSON or SSE)",
+)
+async def generate(
+    body: GenerateRequest, state: State, engine: EngineDep, may_read: ReadAccess
+) -> Any:
+    """Up to ``max_tokens`` tokens, greedy or sampled, each with its LM and memory share."""
+    limit = state.settings.max_generate_tokens
+    if body.max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens: {body.max_tokens} asked; at most {limit} (MEMLM_MAX_GENERATE_TOKENS)"
+        )
+    chars = state.settings.max_context_chars
+    if len(body.context) > chars:
+        raise PayloadTooLarge(f"context has {len(body.context)} characters; at most {chars}")
+    executor = state.executor
+    executor.check(GENERATE)  # refuse an overloaded queue before tokenising
+    tokens = await off_loop_if_long(body.context, partial(engine.count_tokens, body.context))
+    positions = engine.generation_positions
+    if tokens + body.max_tokens > positions:
+        raise PayloadTooLarge(
+            f"context has {tokens} tokens; with max_tokens {body.max_tokens} that exceeds "
+            f"the model's {positions} positions"
+        )
+    gen = await executor.call(
+        partial(engine.start_generation, body.context, _config(body)),
+        kind=GENERATE,
+        cost=request_cost(tokens),
+    )
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, gen, may_read),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    out: list[GeneratedTokenOut] = []
+    async for chunk in _chunks(state, gen, may_read):
+        out.extend(chunk)
+    return GenerateResponse(**_done(gen, len(out)).model_dump(), tokens=out)

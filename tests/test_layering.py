@@ -1,0 +1,64 @@
+"""The layering of issue 12: import-linter's contracts in pyproject.toml hold, and break.
+
+The service and the workers stand on the engine and the database and never import each
+other; memlm (the CLI, the composition root, aside) imports neither of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("memlm", "service", "workers")
+
+
+def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess[str]:
+    """Run the contracts of ``root/pyproject.toml`` (all, or these ids) on the packages
+    under ``root``."""
+    # import-linter finds the packages from the working directory, so the tree under test
+    # is analysed, never the installed copy
+    run = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    only = [arg for c in contracts for arg in ("--contract", c)]
+    return subprocess.run(
+        [sys.executable, "-c", run, "--no-cache", "--no-logo", *only, "pyproject.toml"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_layering_contracts_hold() -> None:
+    out = lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Contracts: 3 kept, 0 broken." in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("path", "forbidden", "contract"),
+    [
+        ("memlm/engine/core.py", "service.app", "core"),  # engine -> service
+        ("memlm/datastore/store.py", "workers.ingest", "core"),  # memory -> workers
+        ("memlm/db/repositories.py", "workers.builder", "db"),  # db -> workers
+        ("service/deps.py", "workers.ingest", "service-workers"),
+        ("workers/builder.py", "service.state", "service-workers"),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(
+    tmp_path: Path, path: str, forbidden: str, contract: str
+) -> None:
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    module = tmp_path / path
+    module.write_text(module.read_text() + f"\nimport {forbidden}  # noqa: E402\n")
+    out = lint_imports(tmp_path, contract)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Contracts: 0 kept, 1 broken." in out.stdout
+    importer = path.removesuffix(".py").replace("/", ".")
+    assert f"{importer} -> {forbidden}" in out.stdout
