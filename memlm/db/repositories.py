@@ -310,7 +310,10 @@ class StatsRepository:
         self.s = session
 
     def _row(self, day: dt.date, policy: str) -> DayStat:
-        row = self.s.get(DayStat, (day, policy))
+        # FOR UPDATE: workers on the Milvus memory commit without a common file lock, and
+        # two read-modify-writes of one day's row would lose one's counts (PostgreSQL
+        # makes the second wait and read the first's committed row; SQLite has one writer)
+        row = self.s.get(DayStat, (day, policy), with_for_update=True, populate_existing=True)
         if row is None:
             row = DayStat(
                 day=day,
