@@ -52,6 +52,7 @@ def milvus_url(milvus_server: EmbeddedMilvus) -> Iterator[str]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
         from pymilvus import connections, utility
 
     alias = f"cleanup-{name}"

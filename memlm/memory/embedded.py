@@ -1,6 +1,7 @@
 """A local Milvus standalone server from the PyPI package ``milvus`` (tests, benchmarks).
 
-``milvus==2.3.5`` ships the server binary; it needs ``pkg_resources`` (``setuptools<70``).
+``milvus==2.3.5`` ships the server binary; pymilvus needs ``pkg_resources``
+(setuptools 77-80; torch 2.13 needs >= 77.0.3).
 Production runs against Milvus standalone or Distributed by URL (docs/service.md); this
 module only starts the embedded one, in its own base directory, on free ports.
 """
@@ -78,6 +79,7 @@ def start_embedded(base_dir: Path, *, timeout: float = START_TIMEOUT_S) -> Embed
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # its pkg_resources import
+            warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
             from milvus import MilvusServer
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason to report
         raise MilvusUnavailable(f"cannot import milvus: {type(exc).__name__}: {exc}") from exc

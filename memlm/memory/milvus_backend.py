@@ -37,6 +37,8 @@ from memlm.memory.url import MilvusURL
 
 with warnings.catch_warnings():  # pymilvus 2.4 imports pkg_resources, deprecated
     warnings.simplefilter("ignore", DeprecationWarning)
+    # pymilvus imports pkg_resources, which warns (a UserWarning from setuptools 80)
+    warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
     from pymilvus import (
         Collection,
         CollectionSchema,
