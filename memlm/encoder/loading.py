@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from memlm.locks import FileLock
 
@@ -115,18 +114,6 @@ def _tiny_model(name: str, vocab_size: int, seed: int = 0) -> Any:
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(cfg_l)
-
-
-def last_mlp(model: Any) -> nn.Module:
-    """The last decoder layer's MLP: its input is the kNN key (DESIGN.md)."""
-    base = model.base_model
-    for attr in ("layers", "h"):  # Llama family / GPT-2 family
-        layers = getattr(base, attr, None)
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            mlp = getattr(layers[-1], "mlp", None)
-            if isinstance(mlp, nn.Module):
-                return mlp
-    raise EncoderError(f"cannot find the last decoder layer's MLP in {type(model).__name__}")
 
 
 def load_model(name: str) -> tuple[Any, Any]:
