@@ -61,11 +61,8 @@ from memlm.index import INDEX_FILE, MemoryIndex, build_index
 from memlm.index.params import f16_to_f32
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import load_average  # noqa: E402
 from bench_index import encode_news  # noqa: E402
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 class Stretcher:

@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     # Run the ingest worker as a thread of the API process, sharing its engine (one model
     # in RAM, one datastore writer). Off when the worker runs as its own process.
     embedded_worker: bool = True
+    # At shutdown, how long the API waits for the embedded worker to finish the document it
+    # holds. A worker still busy after that is abandoned with the process: its claim goes
+    # back to the queue (another worker sees it dead, or the next start takes it back) and
+    # the datastore is cut back to the last commit, so nothing is lost or counted twice.
+    shutdown_seconds: float = Field(default=300.0, ge=0)
 
     # --- HTTP -----------------------------------------------------------------------------
     ingest_token: SecretStr = SecretStr(DEFAULT_SECRET)

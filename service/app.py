@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -199,8 +200,15 @@ def create_app(
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            deadline = time.monotonic() + settings.shutdown_seconds
             for t in threads:
-                t.join(timeout=60)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    log.warning(
+                        "embedded worker still busy after MEMLM_SHUTDOWN_SECONDS=%g s; "
+                        "abandoning it: its document goes back to the queue and is redone",
+                        settings.shutdown_seconds,
+                    )
             executor.close()
             db.dispose()
 
