@@ -2,9 +2,11 @@
 
 Variants (``--variants``, comma-separated):
   float32          the reference;
-  bf16-f32head     bfloat16 transformer, LM head product in float32 (before memlm.encoder.head);
-  bf16             bfloat16 transformer and half-precision head with float32 rescoring (now);
-  bf16-eager       as bf16, with transformers' eager attention instead of SDPA.
+  bf16-f32head     bfloat16 transformer on SDPA attention, LM head product in float32 (the
+                   encoder before memlm.encoder.head and memlm.encoder.attention);
+  bf16-sdpa        bfloat16 on SDPA attention, half-precision head with float32 rescoring;
+  bf16             the bfloat16 encoder as it is: half-precision head, matmul attention;
+  bf16-eager       as bf16, with transformers' eager attention.
 
 1. Profile (torch.profiler, one 512-token window of news, after a warm-up): self CPU time
    of each op, split into the transformer body (``_forward``) and the LM head +
@@ -30,7 +32,7 @@ import torch
 from _common import load_average, markdown_table
 from bench_encoder import slice20_test_ids
 
-VARIANTS = ("float32", "bf16-f32head", "bf16", "bf16-eager")
+VARIANTS = ("float32", "bf16-f32head", "bf16-sdpa", "bf16")
 
 
 def make(variant: str, model: str, threads: int) -> Any:
@@ -42,6 +44,8 @@ def make(variant: str, model: str, threads: int) -> Any:
     )
     if variant == "bf16-f32head":
         enc.head_weight_half = None
+    if variant in ("bf16-f32head", "bf16-sdpa"):
+        enc.model.set_attn_implementation("sdpa")
     if variant == "bf16-eager":
         enc.model.set_attn_implementation("eager")
     return enc

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memlm.encoder import Encoder, WindowConfig
-from memlm.encoder.head import gold_logits, half_head_logits, logit_statistics
+from memlm.encoder.head import gold_logits, half_head_logits, logit_statistics, top_k_indices
 from memlm.encoder.precision import HALF_HEAD, _head_dtype
 
 V, H, N = 4096, 64, 96
@@ -86,3 +86,14 @@ def test_float32_and_int8_keep_the_float32_head():
         "float32",
     ]
     assert set(HALF_HEAD) == {"bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("v", [4096, 4100, 40])  # grouped, V not a multiple of 16, tiny V
+def test_top_k_indices_are_torch_topk(v):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50, v, generator=g)
+    group = slice(3, None, v // 16)  # one strided group of top_k_indices (16 columns)
+    x[0, group] = 9.0 + torch.arange(len(x[0, group])) / v  # all of row 0's top in it
+    for k in (1, 5, 16):
+        got = top_k_indices(x, k).sort(-1).values
+        assert torch.equal(got, torch.topk(x, k, dim=-1).indices.sort(-1).values), k

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlm.encoder.attention import use_matmul_attention
 from memlm.encoder.device import free_cached_memory, is_out_of_memory, resolve_device
 from memlm.encoder.head import BLOCK_ROWS, gold_logits, half_head_logits, logit_statistics
 from memlm.encoder.keys import capture_keys, hook_key, release_keys
@@ -113,6 +114,8 @@ class Encoder:
             half = self.model.get_output_embeddings().weight.detach()
             assert half.dtype == DTYPES[self.precision], half.dtype
             self.head_weight_half = half
+            if self.device.type == "cpu":  # SDPA's CPU kernel gains nothing from bf16
+                use_matmul_attention(self.model)
 
     # -- construction --
 

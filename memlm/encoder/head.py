@@ -25,6 +25,7 @@ import torch.nn.functional as F
 # Logits per row recomputed in float32 after a half-precision head product. 8 left a mean
 # |change| of 8e-4 nats in log-sum-exp, 32 one of 2e-4, each a top-k pass over (n, V).
 RESCORE_K = 16
+TOPK_GROUPS = 16  # see top_k_indices
 BLOCK_ROWS = 128  # a (128, V) float32 block (25 MB) keeps the elementwise passes cheap
 
 
@@ -44,14 +45,34 @@ def half_head_logits(
     logits = F.linear(h.to(weight_half.dtype), weight_half).float()  # (n, V)
     if bias is not None:
         logits += bias
-    k = min(k, logits.shape[1])
-    idx = torch.topk(logits, k, dim=-1, sorted=False).indices  # (n, k)
+    idx = top_k_indices(logits, min(k, logits.shape[1]))  # (n, k)
     exact = torch.bmm(weight[idx], h.float()[:, :, None]).squeeze(2)  # (n, k) float32
     if bias is not None:
         exact += bias[idx]
     logits.scatter_(1, idx, exact)
     top_logit, best = exact.max(dim=-1)
     return logits, idx.gather(1, best[:, None]).squeeze(1), top_logit
+
+
+def top_k_indices(x: torch.Tensor, k: int, groups: int = TOPK_GROUPS) -> torch.Tensor:
+    """Column indices (n, k) of the k largest of each row of x (n, V), in no order.
+
+    Two small top-k passes instead of one over (n, V) (4x faster at V = 49152, measured
+    3 against 12 ms for 128 rows): the row is cut into ``groups`` strided slices, column j
+    in group j mod (V / groups); the k largest values lie in the k groups with the
+    largest maxima (a group holding one of them has a maximum that at most k - 1 other
+    groups exceed), so a top-k of the group maxima, then of those groups' columns.
+    """
+    n, v = x.shape
+    width = v // groups
+    if v % groups or width < k:
+        return torch.topk(x, k, dim=-1, sorted=False).indices
+    best = x.view(n, groups, width).amax(1)  # (n, width): max over each strided group
+    g = torch.topk(best, k, dim=-1, sorted=False).indices  # (n, k) groups
+    offsets = torch.arange(groups, device=x.device) * width
+    cols = (g[:, :, None] + offsets).view(n, k * groups)  # every column of those groups
+    pick = torch.topk(x.gather(1, cols), k, dim=-1, sorted=False).indices
+    return cols.gather(1, pick)
 
 
 def gold_logits(
@@ -69,13 +90,14 @@ def logit_statistics(
 
     ``top_logit`` (c,) is the shift that keeps exp() in range (the row max or close to it);
     ``logits`` is overwritten. Few passes over the block: one shift in place, one exp,
-    one sum, one bmm.
+    one sum, one dot product.
     """
     logits.sub_(top_logit[:, None])
     e = torch.exp(logits)
     z = e.sum(-1)
     log_z = torch.log(z)
     lse = top_logit + log_z
-    # entropy = log z - sum_y p(y) (logit(y) - shift); the bmm avoids a temporary
-    dot = torch.bmm(e.unsqueeze(1), logits.unsqueeze(2)).view(-1) / z
+    # entropy = log z - sum_y p(y) (logit(y) - shift); vecdot: no temporary, and half
+    # the time of a (c, 1, V) x (c, V, 1) bmm (4 against 7.5 ms for 128 rows)
+    dot = torch.linalg.vecdot(e, logits) / z
     return {"lse": lse, "tlp": gold - lse, "toplp": top_logit - lse, "ent": log_z - dot}
