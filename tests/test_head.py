@@ -8,7 +8,7 @@ import torch
 
 from memlm.encoder import Encoder, WindowConfig
 from memlm.encoder.head import gold_logits, half_head_logits, logit_statistics, top_k_indices
-from memlm.encoder.precision import HALF_HEAD, _head_dtype
+from memlm.encoder.precision import HALF_HEAD, head_precision
 
 V, H, N = 4096, 64, 96
 DOCS = [list(np.random.default_rng(s).integers(5, 2000, size=200)) for s in range(2)]
@@ -79,7 +79,7 @@ def test_bfloat16_encoder_uses_the_half_head_and_matches_the_float32_head():
 
 def test_float32_and_int8_keep_the_float32_head():
     assert Encoder.load("tiny-llama", threads=1).head_weight_half is None
-    assert [_head_dtype(p) for p in ("float32", "bfloat16", "float16", "int8")] == [
+    assert [head_precision(p) for p in ("float32", "bfloat16", "float16", "int8")] == [
         "float32",
         "bfloat16",
         "float16",

@@ -140,7 +140,7 @@ def time_matmuls(
     """
     head = head_shapes or Counter()
     ops = {p: {s: _timed_op(p, *s, rows, device) for s in shapes} for p in precisions}
-    for p in {_head_dtype(p) for p in precisions}:
+    for p in {head_precision(p) for p in precisions}:
         ops[f"head {p}"] = {s: _timed_op(p, *s, rows, device) for s in head}
     best = {p: dict.fromkeys(ops[p], math.inf) for p in ops}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -156,19 +156,19 @@ def time_matmuls(
                 sync()
                 best[p][s] = min(best[p][s], time.perf_counter() - t)
     return {
-        p: sum(best[f"head {_head_dtype(p)}"][s] * n for s, n in head.items())
+        p: sum(best[f"head {head_precision(p)}"][s] * n for s, n in head.items())
         + sum(best[p][s] * n for s, n in shapes.items())
         for p in precisions
     }
 
 
-def _head_dtype(precision: str) -> str:
+def head_precision(precision: str) -> str:
     """The precision the LM head's product runs in under ``precision`` (memlm.encoder.head)."""
     return precision if precision in HALF_HEAD else "float32"
 
 
 def head_shape(model: Any) -> Counter[tuple[int, int]]:
-    """The LM head's (in, out) (its precision: :func:`_head_dtype`)."""
+    """The LM head's (in, out) (its precision: :func:`head_precision`)."""
     w = model.get_output_embeddings().weight
     return Counter({(int(w.shape[1]), int(w.shape[0])): 1})
 
