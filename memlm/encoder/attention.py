@@ -8,7 +8,8 @@ P V are bfloat16 GEMMs, and grouped-query heads share their key/value head witho
 copies of ``repeat_kv``: the query heads of one group are stacked into one (G T, d) matrix.
 The softmax runs in float32 (as transformers' eager attention does). The scores are
 materialised, (B, H, T, S) float32, so this runs only up to ``MAX_KEYS`` keys; longer
-contexts, cached decoding, and anything unusual go to transformers' SDPA.
+contexts, single-token decoding steps, and anything unusual (a paged cache, a position
+bias, soft-capping) go to transformers' SDPA.
 
 Registered with transformers as ``NAME`` (:func:`use_matmul_attention`), with
 transformers' eager (additive) mask.
@@ -45,7 +46,7 @@ def matmul_attention(
         and h % kv == 0
         and (attention_mask is not None and attention_mask.is_floating_point())
         and (dropout == 0.0 or not module.training)
-        and kwargs.get("cache") is None
+        and kwargs.get("cache") is None  # transformers passes only a paged cache here
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
         and not kwargs.get("output_attentions", False)
