@@ -94,9 +94,9 @@ def tiny() -> Encoder:
 
 
 def _timer(seconds: dict[str, float], calls: list[str]):
-    def timer(shapes: Counter, precisions, device, float32_shapes) -> dict[str, float]:
+    def timer(shapes: Counter, precisions, device, head_shapes) -> dict[str, float]:
         calls.append("timer")
-        assert float32_shapes == Counter({(32, 49152): 1})  # the head, always float32
+        assert head_shapes == Counter({(32, 49152): 1})  # the head
         assert set(precisions) == {"float32", "bfloat16", "int8"}  # the CPU's candidates
         assert shapes == matmul_shapes_of_tiny_llama()
         return {p: seconds[p] for p in precisions}
@@ -291,3 +291,22 @@ def test_other_errors_are_not_retried(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         enc.encode_many(DOCS[:1], WindowConfig(context=64, stride=32, batch_size=4))
     assert calls == [1]
+
+
+def test_the_probe_times_the_head_as_the_encoder_runs_it(monkeypatch):
+    """bfloat16 runs its head product in bfloat16 (memlm.encoder.head); int8 in float32."""
+    made: list[tuple[str, int, int]] = []
+    real = prec._timed_op
+
+    def timed_op(p, n_in, n_out, rows, device):
+        made.append((p, n_in, n_out))
+        return real(p, n_in, n_out, rows, device)
+
+    monkeypatch.setattr(prec, "_timed_op", timed_op)
+    cpu = torch.device("cpu")
+    body, head = Counter({(8, 8): 2}), Counter({(8, 64): 1})
+    out = prec.time_matmuls(body, ["float32", "bfloat16", "int8"], cpu, rows=4, repeats=1,
+                            head_shapes=head)  # fmt: skip
+    assert set(out) == {"float32", "bfloat16", "int8"} and all(s > 0 for s in out.values())
+    heads = sorted(p for p, _, n_out in made if n_out == 64)
+    assert heads == ["bfloat16", "float32"]  # int8 shares float32's head timing

@@ -8,8 +8,11 @@ hidden state and the log-sum-exp lets later code compute the exact LM log-probab
 of any token (``Encoder.logprobs_for``) without storing 49k logits per token.
 
 The transformer runs on ``device`` in ``precision`` (memlm.encoder.precision); what
-leaves the encoder is float32 on the CPU, and the LM head, log-sum-exp, log-softmax and
-entropy are float32 whatever the precision.
+leaves the encoder is float32 on the CPU, and the logits, log-sum-exp, log-softmax and
+entropy are float32 whatever the precision. A half-precision transformer's head product
+in ``encode_many`` runs in its dtype, with each token's largest logits and its gold logit
+recomputed in float32 (memlm.encoder.head); ``logits``, ``logprobs_for`` and
+``full_logprobs`` always use the float32 head.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlm.encoder.attention import use_matmul_attention
 from memlm.encoder.device import free_cached_memory, is_out_of_memory, resolve_device
+from memlm.encoder.head import BLOCK_ROWS, gold_logits, half_head_logits, logit_statistics
 from memlm.encoder.keys import capture_keys, hook_key, release_keys
 from memlm.encoder.loading import BUNDLED_MODEL, EncoderError, default_threads, load_model
 from memlm.encoder.precision import (
+    DTYPES,
+    HALF_HEAD,
     ProbeResult,
     auto_precision,
     cast_model,
@@ -50,6 +57,9 @@ class Encoder:
     # Windows per forward after an out-of-memory halving; None: the window's batch_size.
     # A plain int read and written whole, so concurrent encode calls at worst both halve.
     batch_cap: int | None = None
+    # The LM head in the transformer's half precision (bfloat16/float16), for the head
+    # product of encode_many (memlm.encoder.head); None: that product runs in float32.
+    head_weight_half: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -99,6 +109,13 @@ class Encoder:
         )
         # The hook stays on the MLP module: casting and quantising keep that module.
         self.model = cast_model(self.model, self.precision).to(self.device)
+        if self.precision in HALF_HEAD:
+            # the cast model's own head (tied: its embeddings), so no second copy
+            half = self.model.get_output_embeddings().weight.detach()
+            assert half.dtype == DTYPES[self.precision], half.dtype
+            self.head_weight_half = half
+            if self.device.type == "cpu":  # SDPA's CPU kernel gains nothing from bf16
+                use_matmul_attention(self.model)
 
     # -- construction --
 
@@ -256,39 +273,40 @@ class Encoder:
     def _stats(
         self, hidden: torch.Tensor, keys: torch.Tensor, targets: torch.Tensor, key_ce: bool
     ) -> dict[str, torch.Tensor]:
-        """LM statistics for n scored tokens; hidden (n, h), keys (n, d), targets (n,)."""
+        """LM statistics for n scored tokens; hidden (n, h), keys (n, d), targets (n,).
+
+        float32 statistics of float32 logits; with a half-precision transformer the head
+        product runs in its dtype and each row's largest logits are rescored in float32
+        (memlm.encoder.head).
+        """
         out: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("lse", "tlp", "top", "toplp", "ent", "kce")
         }
-        chunk = 128  # a (128, V) float32 block (25 MB) keeps the elementwise passes cheap
-        for s in range(0, hidden.shape[0], chunk):
-            h, k, y = hidden[s : s + chunk], keys[s : s + chunk], targets[s : s + chunk]
-            logits = self._logits(h)  # (c, V) float32
-            gold = logits.gather(1, y[:, None]).squeeze(1)
-            top_logit, top = logits.max(dim=-1)
-            # Few passes over the (c, V) block: shift in place, one exp, one sum, one bmm.
-            logits.sub_(top_logit[:, None])
-            e = torch.exp(logits)
-            z = e.sum(-1)
-            lse = top_logit + torch.log(z)
-            # entropy = log z - sum_y p(y) (logit(y) - max); the bmm avoids a temporary
-            dot = torch.bmm(e.unsqueeze(1), logits.unsqueeze(2)).view(-1) / z
-            out["lse"].append(lse)
-            out["tlp"].append(gold - lse)
+        w, b, w_half = self.head_weight, self.head_bias, self.head_weight_half
+        for s in range(0, hidden.shape[0], BLOCK_ROWS):
+            sl = slice(s, s + BLOCK_ROWS)
+            h, k, y = hidden[sl], keys[sl], targets[sl]
+            if w_half is not None:
+                logits, top, top_logit = half_head_logits(h.to(self.device), w, b, w_half)
+                gold = gold_logits(h.to(self.device), w, b, y)
+            else:
+                logits = self._logits(h)  # (c, V) float32
+                gold = logits.gather(1, y[:, None]).squeeze(1)
+                top_logit, top = logits.max(dim=-1)
+            for name, v in logit_statistics(logits, gold, top_logit).items():
+                out[name].append(v)
             out["top"].append(top)
-            out["toplp"].append(top_logit - lse)
-            out["ent"].append(torch.log(z) - dot)
             if key_ce and k.shape[1] == self.hidden_dim:
                 kl = self._logits(k)
                 out["kce"].append(torch.logsumexp(kl, -1) - kl.gather(1, y[:, None]).squeeze(1))
             else:
-                out["kce"].append(torch.full_like(lse, float("nan")))
+                out["kce"].append(torch.full_like(gold, float("nan")))
         return {k: torch.cat(v) for k, v in out.items()}
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits (n, V) of head inputs (n, h) on the encoder's device."""
-        # float32 whatever the transformer ran in: a half-precision product would round
-        # every logit to 3 significant digits, and the LM's probabilities with them
+        # float32 whatever the transformer ran in: a bare half-precision product rounds
+        # every logit to 3 significant digits (memlm.encoder.head rescores the largest)
         logits = h.to(self.device, torch.float32) @ self.head_weight.T
         return logits if self.head_bias is None else logits + self.head_bias
 

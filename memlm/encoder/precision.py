@@ -3,8 +3,10 @@
 ``float32`` is the reference. ``bfloat16`` / ``float16`` cast the transformer's weights;
 ``int8`` is torch's dynamic quantisation of its Linear layers (weights int8, activations
 quantised per batch; a CPU kernel). Whatever the transformer runs in, the encoder returns
-float32 keys and hidden states, and the LM head, log-sum-exp, log-softmax, entropy and
-the kNN interpolation run in float32 (memlm.encoder.core).
+float32 keys and hidden states, and the logits, log-sum-exp, log-softmax, entropy and
+the kNN interpolation are float32 (memlm.encoder.core). The LM head's product runs in
+float32 too, except under bfloat16 / float16, where it runs in that dtype with each token's
+largest logits recomputed in float32 (memlm.encoder.head, ``HALF_HEAD``).
 
 ``auto`` (the service's default) probes once per processor kind and model
 (:func:`auto_precision`): it times the model's own matmul shapes in every candidate
@@ -43,6 +45,9 @@ log = logging.getLogger("memlm.encoder")
 PRECISIONS = ("float32", "bfloat16", "float16", "int8")
 SETTING_PATTERN = r"^(auto|float32|bfloat16|float16|int8)$"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Precisions whose LM head product runs in their own dtype, the largest logits rescored in
+# float32 (memlm.encoder.head); the others run the head in float32.
+HALF_HEAD = ("bfloat16", "float16")
 PPL_TOLERANCE = 0.005  # a candidate's perplexity may differ from float32's by 0.5% at most
 MIN_SPEEDUP = 1.10  # ... and must be this much faster: within timing noise, keep float32
 PROBE_ROWS = 512  # tokens per timed matmul: one 512-token window, the encoder's unit
@@ -123,17 +128,20 @@ def time_matmuls(
     device: torch.device,
     rows: int = PROBE_ROWS,
     repeats: int = PROBE_REPEATS,
-    float32_shapes: Counter[tuple[int, int]] | None = None,
+    head_shapes: Counter[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """Seconds per ``rows`` tokens of the weight matmuls in each precision (best of
     ``repeats`` rounds, precisions interleaved so that a busy spell hits all of them).
 
-    ``float32_shapes`` (the LM head) run in float32 whatever the precision: timed once
-    and added to every candidate, so that a speed-up is the whole forward's.
+    ``head_shapes`` (the LM head) run as the encoder runs them: in the candidate's dtype
+    for ``HALF_HEAD`` precisions, in float32 for the others; added to every candidate, so
+    that a speed-up is the whole forward's. (The half head's float32 rescoring of a few
+    logits per token is not timed: a top-k pass, small beside the product.)
     """
-    fixed = float32_shapes or Counter()
+    head = head_shapes or Counter()
     ops = {p: {s: _timed_op(p, *s, rows, device) for s in shapes} for p in precisions}
-    ops["head"] = {s: _timed_op("float32", *s, rows, device) for s in fixed}
+    for p in {head_precision(p) for p in precisions}:
+        ops[f"head {p}"] = {s: _timed_op(p, *s, rows, device) for s in head}
     best = {p: dict.fromkeys(ops[p], math.inf) for p in ops}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for group in ops.values():  # warm-up: first calls pick kernels and fault pages in
@@ -147,12 +155,20 @@ def time_matmuls(
                 op()
                 sync()
                 best[p][s] = min(best[p][s], time.perf_counter() - t)
-    head = sum(best["head"][s] * n for s, n in fixed.items())
-    return {p: head + sum(best[p][s] * n for s, n in shapes.items()) for p in precisions}
+    return {
+        p: sum(best[f"head {head_precision(p)}"][s] * n for s, n in head.items())
+        + sum(best[p][s] * n for s, n in shapes.items())
+        for p in precisions
+    }
+
+
+def head_precision(precision: str) -> str:
+    """The precision the LM head's product runs in under ``precision`` (memlm.encoder.head)."""
+    return precision if precision in HALF_HEAD else "float32"
 
 
 def head_shape(model: Any) -> Counter[tuple[int, int]]:
-    """The LM head's (in, out): it runs in float32 whatever the precision (core.Encoder)."""
+    """The LM head's (in, out) (its precision: :func:`head_precision`)."""
     w = model.get_output_embeddings().weight
     return Counter({(int(w.shape[1]), int(w.shape[0])): 1})
 
@@ -285,9 +301,7 @@ def auto_precision(
             isinstance(m, nn.Linear) for m in model.base_model.modules()
         ):
             candidates.remove("int8")  # nothing to quantise (GPT-2's Conv1D)
-        seconds = (timer or time_matmuls)(
-            shapes, candidates, device, float32_shapes=head_shape(model)
-        )
+        seconds = (timer or time_matmuls)(shapes, candidates, device, head_shapes=head_shape(model))
         result = choose_precision(seconds, ppl_of)
         result.key = key
         result.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
