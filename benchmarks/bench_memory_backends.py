@@ -17,7 +17,8 @@ For each size N (``--sizes``) and backend, in this order:
 - with ``--predict`` (``bench_memory_predict``): the service over the built memory, served
   by uvicorn: ``POST /predict`` on 128-token contexts, ``Engine.predict`` and the bare
   forward, interleaved round by round; p50 and p99 of each and the ratios to the bare
-  forward. ``--predict-unbuilt`` also times it before the build.
+  forward. ``--predict-unbuilt milvus`` also times it before Milvus's build (a 1M-entry
+  build may outlast the run).
 
 Keys: real SmolLM2-135M keys of the bundled news (``--keys-npz``: a folder of encoder
 ``*.npz`` files, as ``bench_index.py --encode-news`` writes; the last files' keys are the
@@ -238,7 +239,7 @@ def bench_backend(
         {**base, "index": "unbuilt", **search_rows(reader, q, args.k, truth, to_row, args.single)}
     ]
     predict: list[dict[str, Any]] = []
-    if args.predict and args.predict_unbuilt:
+    if args.predict and name in args.predict_unbuilt.split(","):
         predict += run_predict(name, where, args, f"N={n:,}, unbuilt")
     label = "build failed"
     try:
@@ -296,7 +297,11 @@ def milvus_pair(url: str, dim: int) -> tuple[Any, Any]:
     return open_milvus(url, dim), open_milvus(url, dim)
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, col: str = "") -> str:
+    if isinstance(v, float) and col.endswith("/bare p50"):
+        return f"{v:.2f}x"
+    if isinstance(v, float) and col.startswith("recall"):
+        return f"{v:.3f}"
     if isinstance(v, float):
         return f"{v:.3f}" if v < 1 else f"{v:.1f}" if v < 100 else f"{v:,.0f}"
     if isinstance(v, int) and not isinstance(v, bool):
@@ -308,7 +313,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows as one Markdown table (the union of their columns, first seen first)."""
     cols = list(dict.fromkeys(c for r in rows for c in r))
     align = "".join("l" if c in ("backend", "index") else "r" for c in cols)
-    return markdown_table(cols, [[_fmt(r.get(c, "")) for c in cols] for r in rows], align=align)
+    return markdown_table(cols, [[_fmt(r.get(c, ""), c) for c in cols] for r in rows], align=align)
 
 
 def main() -> None:
@@ -333,7 +338,11 @@ def main() -> None:
     ap.add_argument(
         "--predict", action="store_true", help="also time /predict against the bare forward"
     )
-    ap.add_argument("--predict-unbuilt", action="store_true", help="... also before the build")
+    ap.add_argument(
+        "--predict-unbuilt",
+        default="",
+        help="backends (comma-separated) whose /predict is also timed before the build",
+    )
     ap.add_argument("--predict-rounds", type=int, default=40)
     args = ap.parse_args()
     faiss.omp_set_num_threads(int(os.environ.get("MEMLM_THREADS", "1")))
