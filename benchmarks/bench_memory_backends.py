@@ -211,8 +211,10 @@ def bench_backend(
     q: npt.NDArray[np.float32],
     truth: npt.NDArray[np.int64],
     args: argparse.Namespace,
+    budget: float | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
-    """(search rows, build row, /predict rows) of one backend at one size."""
+    """(search rows, build row, /predict rows) of one backend at one size; ``budget``:
+    seconds Milvus's build may wait for its index nodes (None: the URL's timeout)."""
     writer, reader = open_pair()
     n = len(store)
     id_of_row = np.empty(n, np.int64)
@@ -238,22 +240,19 @@ def bench_backend(
     rows = [
         {**base, "index": "unbuilt", **search_rows(reader, q, args.k, truth, to_row, args.single)}
     ]
+    print(table(rows), flush=True)  # now: a build that outlasts the run leaves these
     predict: list[dict[str, Any]] = []
     if args.predict and name in args.predict_unbuilt.split(","):
         predict += run_predict(name, where, args, f"N={n:,}, unbuilt")
-    label = "build failed"
-    try:
-        with stopwatch() as b:
-            info = writer.build(None)
-        build = {"backend": name, "N": n, **build_phases(name, info, b.seconds)}
+    build, params = timed_build(name, writer, budget)
+    print(table([build]), flush=True)
+    if params is None:
+        print(f"# {name} N={n:,}: not built; built search and /predict not measured", flush=True)
+    else:
         reader.refresh()
         if hasattr(reader, "index"):
             reader.index.reload()
-        params = getattr(writer, "params", None) or IndexParams(**info["params"])
-        label = (
-            "FLAT" if params.kind == "flat" else f"IVF_PQ {params.nlist}/{params.m}/{params.nprobe}"
-        )
-        build["index"] = label
+        label = build["index"]
         rows.append(
             {**base, "index": label, **search_rows(reader, q, args.k, truth, to_row, args.single)}
         )
@@ -267,14 +266,40 @@ def bench_backend(
                 }
             )
             reader.url = MilvusURL(**{**reader.url.__dict__, "rerank": False})
-    except Exception as exc:  # noqa: BLE001 - a build that fails is a result to report
-        build = {"backend": name, "N": n, "build s": b.seconds, "index": f"FAILED: {exc!r}"[:200]}
-        print(f"# {name} N={n}: the build failed: {exc!r}", flush=True)
-    if args.predict:
-        predict += run_predict(name, where, args, f"N={n:,}, {label}")
+        print(table(rows[1:]), flush=True)
+        if args.predict:
+            predict += run_predict(name, where, args, f"N={n:,}, {label}")
     writer.close()
     reader.close()
     return rows, build, predict
+
+
+def timed_build(
+    name: str, writer: Any, budget: float | None
+) -> tuple[dict[str, Any], IndexParams | None]:
+    """(build row, the built index's parameters; None when the build failed or did not
+    finish within ``budget`` seconds). Milvus's budget is its per-call timeout, which its
+    ``create_index`` waits for the index nodes with; when it runs out the row says how
+    many rows the index nodes had indexed (Milvus goes on building, the run does not)."""
+    n = writer.count()
+    if budget is not None:
+        writer.timeout = budget
+    try:
+        with stopwatch() as b:
+            info = writer.build(None)
+    except Exception as exc:  # noqa: BLE001 - a build that fails is a result to report
+        row: dict[str, Any] = {"backend": name, "N": n, "build s": b.seconds}
+        row["index"] = f"not built: {type(exc).__name__}"
+        if name == "milvus":
+            from pymilvus import utility
+
+            got = utility.index_building_progress(writer.url.collection, using=writer.alias)
+            row["index"] += f" ({got.get('indexed_rows')} of {got.get('total_rows')} rows indexed)"
+        print(f"# {name} N={n:,}: the build failed: {exc!r}"[:500], flush=True)
+        return row, None
+    params = getattr(writer, "params", None) or IndexParams(**info["params"])
+    label = "FLAT" if params.kind == "flat" else f"IVF_PQ {params.nlist}/{params.m}/{params.nprobe}"
+    return {"backend": name, "N": n, **build_phases(name, info, b.seconds), "index": label}, params
 
 
 def run_predict(
@@ -332,6 +357,11 @@ def main() -> None:
     )
     ap.add_argument("--milvus-timeout", type=float, default=1800, help="seconds per Milvus call")
     ap.add_argument(
+        "--milvus-build-budget",
+        default="",
+        help="seconds Milvus's build may take, one value or one per size (default: the timeout)",
+    )
+    ap.add_argument(
         "--backends", default="faiss,milvus", help="comma-separated, in the order they run"
     )
     ap.add_argument("--workdir", type=Path, default=None)
@@ -362,11 +392,18 @@ def main() -> None:
         host, port = server.host, str(server.port)
         print(f"# embedded Milvus started in {server.start_seconds:.1f} s", flush=True)
     dim = real.shape[1]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    budgets = (
+        [float(b) for b in args.milvus_build_budget.split(",")] if args.milvus_build_budget else []
+    )
+    budgets = (budgets or [args.milvus_timeout]) * (len(sizes) if len(budgets) <= 1 else 1)
+    if len(budgets) != len(sizes):
+        raise SystemExit("--milvus-build-budget: one value, or one per size")
     rows: list[dict[str, Any]] = []
     builds: list[dict[str, Any]] = []
     predict: list[dict[str, Any]] = []
     try:
-        for n in [int(s) for s in args.sizes.split(",")]:
+        for i, n in enumerate(sizes):
             store = stretch(real, n, args.stretch_noise)
             with stopwatch() as t:
                 truth = exact_truth(store, q, args.k)
@@ -379,11 +416,11 @@ def main() -> None:
             }
             for name in args.backends.split(","):
                 where, pair = pairs[name]
-                r, b, p = bench_backend(name, where, pair, store, q, truth, args)
+                budget = budgets[i] if name == "milvus" else None
+                r, b, p = bench_backend(name, where, pair, store, q, truth, args, budget)
                 rows += r
                 builds.append(b)
                 predict += p
-                print(table(r), table([b]), sep="\n\n", flush=True)
                 if server is not None:
                     print(f"# Milvus server RSS {server.rss_bytes() / 2**20:.0f} MiB", flush=True)
                 print(f"# load average {load_average()}", flush=True)
