@@ -283,7 +283,9 @@ def timed_build(
     many rows the index nodes had indexed (Milvus goes on building, the run does not)."""
     n = writer.count()
     if budget is not None:
-        writer.timeout = budget
+        # an int: pymilvus 2.4's create_index stops waiting only for an int timeout (a
+        # float, as the URL's, waits for the index nodes however long they take)
+        writer.timeout = max(1, int(budget))
     try:
         with stopwatch() as b:
             info = writer.build(None)
