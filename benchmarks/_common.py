@@ -218,11 +218,15 @@ def markdown_table(
     return "\n".join([line(header), rule, *(line(r) for r in body)])
 
 
-def open_served_engine(prefix: str, **settings: Any) -> tuple[Any, Any, float]:
+def open_served_engine(
+    prefix: str, *, writer: bool = True, **settings: Any
+) -> tuple[Any, Any, float]:
     """``(settings, engine, seconds to open it)`` over a fresh temp data directory.
 
-    ``settings``: ``memlm.settings.Settings`` fields (model, threads, policy...); the index
-    is not polled and no worker runs beside the API unless they say otherwise.
+    ``settings``: ``memlm.settings.Settings`` fields (model, threads, policy...; a
+    ``data_dir`` of its own to serve an existing memory); the index is not polled and no
+    worker runs beside the API unless they say otherwise. ``writer=False`` opens the
+    engine read-only, as an API whose workers are other processes.
     """
     import tempfile
     from pathlib import Path
@@ -240,7 +244,7 @@ def open_served_engine(prefix: str, **settings: Any) -> tuple[Any, Any, float]:
     config = Settings(_env_file=None, **fields)  # type: ignore[call-arg]
     upgrade(config.db_url)
     with stopwatch() as t:
-        engine = open_engine(config)
+        engine = open_engine(config, writer=writer)
     return config, engine, t.seconds
 
 
