@@ -131,3 +131,38 @@ def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> 
         assert mem.build(params)["index_recreated"] is False
     finally:
         mem.close()
+
+
+def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
+    milvus_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Milvus 2.3 sometimes refuses the compaction after a flush; the build goes on. And
+    pymilvus stops waiting for an index only at an int timeout: a float would never fire."""
+    from memlm.memory.milvus_backend import MilvusException
+
+    rng = np.random.default_rng(4)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 1, 2000)
+        mem.append(keys, vals, docs, pos, days)
+
+        def refuse(*a: object, **kw: object) -> None:
+            raise MilvusException(message="segment in flushed state not found")
+
+        timeouts: list[object] = []
+        create = mem.collection.create_index
+
+        def record(*a: object, **kw: object) -> object:
+            timeouts.append(kw.get("timeout"))
+            return create(*a, **kw)
+
+        monkeypatch.setattr(mem.collection, "compact", refuse)
+        monkeypatch.setattr(mem.collection, "create_index", record)
+        params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=2000)
+        info = mem.build(params)
+        assert info["index_recreated"] is True and info["entries"] == 2000
+        assert timeouts and all(isinstance(t, int) for t in timeouts), timeouts
+        _, ids, _ = mem.search(keys[:5], 1)  # loaded and searchable after the build
+        assert ids[:, 0].tolist() == entry_ids(docs[:5], pos[:5]).tolist()
+    finally:
+        mem.close()
