@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,6 +13,13 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+# Tests run the encoder in float32, and so do the worker and API processes they start
+# (they inherit this). MEMLM_PRECISION=auto would probe: seconds per process, and on a
+# processor with fast bfloat16 it picks bfloat16, whose keys a test's float32 engine then
+# refuses (KeyPrecisionMismatch). Tests of the probe and the default delete it or pass
+# precision= themselves.
+os.environ.setdefault("MEMLM_PRECISION", "float32")
 
 # the real Milvus server (session-scoped; skips with its reason where it cannot start)
 from tests.milvus_fixtures import milvus_server, milvus_url  # noqa: E402,F401
