@@ -121,12 +121,24 @@ def extra_plots(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, table in forg.items():
+    # one colour per test month, one line style per policy: more lines than the colour
+    # cycle holds would otherwise share colours across policies
+    months = sorted({m for table in forg.values() for row in table.values() for m in row})
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(months)}
+    styles = ("-", "--", ":", "-.")
+    for j, (name, table) in enumerate(forg.items()):
         ends = list(table)
-        months = sorted({m for row in table.values() for m in row})
-        for m in months:
+        for m in sorted({m for row in table.values() for m in row}):
             ys = [table[e].get(m) for e in ends]
-            ax.plot(ends, ys, marker="o", ms=3, label=f"{name}, test {m}")
+            ax.plot(
+                ends,
+                ys,
+                styles[j % len(styles)],
+                color=colours[m],
+                marker="o",
+                ms=3,
+                label=f"{name}, test {m}",
+            )
     ax.set_xlabel("memory at the end of month")
     ax.set_ylabel("test perplexity")
     ax.grid(alpha=0.3)
