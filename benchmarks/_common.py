@@ -29,6 +29,7 @@ The API, all of it:
 - :func:`alternating`: results of whole runs of several configurations, alternated;
 - :func:`percentile` and :func:`stats_ms`: p50 / p99 / mean / max of samples;
 - :func:`mean_sd`: mean and sample standard deviation (over seeds);
+- :func:`recall`: the share of the exact top-k ids a search found;
 - :func:`markdown_table`: one Markdown table, numbers right-aligned;
 - :func:`open_served_engine`: settings over a fresh data directory and SQLite database,
   migrated, and the engine the service would open on them;
@@ -170,6 +171,15 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     mean = statistics.fmean(values)
     return mean, statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def recall(found: Any, truth: Any) -> float:
+    """Share of the exact top-k ids ``truth`` (nq, k) that a search found (``found``
+    (nq, k'), -1 for no neighbour), over all queries."""
+    import numpy as np
+
+    hits = sum(len(np.intersect1d(f[f >= 0], t)) for f, t in zip(found, truth, strict=True))
+    return hits / np.asarray(truth).size
 
 
 def _cell(x: object, digits: int) -> str:

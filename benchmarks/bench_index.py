@@ -29,6 +29,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import numpy.typing as npt
+from _common import recall
 
 from memlm.datastore import Datastore
 from memlm.index import IndexParams, MemoryIndex, build_index
@@ -102,11 +103,6 @@ def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
         if have >= n_tokens:
             break
     print(f"# {have} news keys in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
-
-
-def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
-    hits = sum(len(np.intersect1d(f[f >= 0], t)) for f, t in zip(found, truth, strict=True))
-    return hits / truth.size
 
 
 def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, object]:

@@ -46,7 +46,7 @@ from typing import Any
 import faiss
 import numpy as np
 import numpy.typing as npt
-from _common import load_average, markdown_table, percentile, stats_ms, stopwatch
+from _common import load_average, markdown_table, percentile, recall, stats_ms, stopwatch
 
 from memlm.index import IndexParams
 from memlm.memory import open_faiss, open_milvus
@@ -106,15 +106,6 @@ def exact_truth(
         heap.add_result(d, np.where(i >= 0, i + a, -1))
     heap.finalize()
     return heap.I
-
-
-def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
-    """Mean share of each query's true top-k found (``-1``: no neighbour)."""
-    return float(
-        np.mean(
-            [len(np.intersect1d(f[f >= 0], t)) / len(t) for f, t in zip(found, truth, strict=True)]
-        )
-    )
 
 
 def docs_of(keys: npt.NDArray[np.float16]) -> Iterator[tuple[int, tuple[Any, ...]]]:

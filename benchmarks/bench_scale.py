@@ -61,7 +61,7 @@ from memlm.index import INDEX_FILE, MemoryIndex, build_index
 from memlm.index.params import f16_to_f32
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import load_average  # noqa: E402
+from _common import load_average, recall  # noqa: E402
 from bench_index import encode_news  # noqa: E402
 
 
@@ -151,11 +151,6 @@ def exact_search(ds: Datastore, q: npt.NDArray[np.float32], k: int) -> npt.NDArr
         heap.add_result(d, np.where(i >= 0, i + first, -1))
     heap.finalize()
     return heap.I
-
-
-def recall(found: npt.NDArray[np.int64], truth: npt.NDArray[np.int64]) -> float:
-    hits = sum(len(np.intersect1d(f[f >= 0], t)) for f, t in zip(found, truth, strict=True))
-    return hits / truth.size
 
 
 def status_kb(field: str) -> int:

@@ -90,3 +90,13 @@ def test_stopwatch_free_port_and_load_average() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free: binding it works
     assert len(common.load_average().split()) == 3
+
+
+def test_recall_counts_true_neighbours_found_and_ignores_padding() -> None:
+    import numpy as np
+
+    found = np.array([[1, 2, -1], [6, 5, 4]])  # -1: fewer neighbours than asked
+    truth = np.array([[1, 2, 3], [4, 9, 6]])
+    assert common.recall(found, truth) == pytest.approx(4 / 6)
+    assert common.recall(truth, truth) == 1.0
+    assert common.recall(np.full((2, 3), -1), truth) == 0.0
