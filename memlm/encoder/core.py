@@ -287,8 +287,9 @@ class Encoder:
             sl = slice(s, s + BLOCK_ROWS)
             h, k, y = hidden[sl], keys[sl], targets[sl]
             if w_half is not None:
-                logits, top, top_logit = half_head_logits(h.to(self.device), w, b, w_half)
-                gold = gold_logits(h.to(self.device), w, b, y)
+                h = h.to(self.device)
+                logits, top, top_logit = half_head_logits(h, w, b, w_half)
+                gold = gold_logits(h, w, b, y)
             else:
                 logits = self._logits(h)  # (c, V) float32
                 gold = logits.gather(1, y[:, None]).squeeze(1)
