@@ -15,8 +15,12 @@ from tests.fakes import FakeEngine
 from tests.service_helpers import make_settings
 
 
-def _worker_that_finishes_on(release: threading.Event, started: list[threading.Thread]) -> Any:
-    """A worker thread that ignores the stop event until ``release`` (a long document)."""
+def _app_with_a_busy_worker(
+    tmp_path: Path, sqlite_url: str, shutdown_seconds: float
+) -> tuple[Any, threading.Event, list[threading.Thread]]:
+    """The app with a worker thread that ignores the stop event until ``release`` is set
+    (a long document); ``started`` gets that thread once the app is up."""
+    release, started = threading.Event(), []
 
     def start(engine: Any, sessions: Any, stop: threading.Event) -> threading.Thread:
         t = threading.Thread(target=release.wait, daemon=True, name="busy-worker")
@@ -24,17 +28,14 @@ def _worker_that_finishes_on(release: threading.Event, started: list[threading.T
         started.append(t)
         return t
 
-    return start
+    settings = make_settings(tmp_path, sqlite_url, shutdown_seconds=shutdown_seconds)
+    return create_app(settings, engine=FakeEngine(), worker=start, poll=False), release, started
 
 
 def test_shutdown_abandons_a_worker_busy_past_the_limit(
     tmp_path: Path, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = make_settings(tmp_path, sqlite_url, shutdown_seconds=0.2)
-    release, started = threading.Event(), []
-    app = create_app(
-        settings, engine=FakeEngine(), worker=_worker_that_finishes_on(release, started), poll=False
-    )
+    app, release, started = _app_with_a_busy_worker(tmp_path, sqlite_url, 0.2)
     try:
         with caplog.at_level(logging.WARNING, logger="service.app"), TestClient(app) as c:
             assert c.get("/healthz").status_code == 200
@@ -48,11 +49,7 @@ def test_shutdown_abandons_a_worker_busy_past_the_limit(
 def test_shutdown_waits_for_a_worker_that_finishes_in_time(
     tmp_path: Path, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = make_settings(tmp_path, sqlite_url, shutdown_seconds=60)
-    release, started = threading.Event(), []
-    app = create_app(
-        settings, engine=FakeEngine(), worker=_worker_that_finishes_on(release, started), poll=False
-    )
+    app, release, started = _app_with_a_busy_worker(tmp_path, sqlite_url, 60)
     with caplog.at_level(logging.WARNING, logger="service.app"), TestClient(app) as c:
         assert c.get("/healthz").status_code == 200
         threading.Timer(0.3, release.set).start()  # the document ends during the shutdown
