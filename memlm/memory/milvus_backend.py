@@ -363,13 +363,16 @@ class MilvusMemory:
         """Flush, compact deleted rows away, and re-create the index when the size calls
         for other parameters (the collection is released meanwhile: searches fail until it
         is loaded again, ``unavailable_seconds``)."""
+        # Long server-side steps wait at least 10 minutes. An int: pymilvus stops waiting
+        # for an index build only at an int timeout (a float one waits forever).
+        long_wait = math.ceil(max(self.timeout, 600))
         with self._lock:
             t0 = time.perf_counter()
             flush_s = self.flush()
             t1 = time.perf_counter()
             try:
                 self.collection.compact(timeout=self.timeout)
-                self.collection.wait_for_compaction_completed(timeout=max(self.timeout, 600))
+                self.collection.wait_for_compaction_completed(timeout=long_wait)
             except MilvusException as exc:
                 # Milvus 2.3 may refuse a compaction right after a flush ("segment in flushed
                 # state not found"). Compaction only merges segments and drops deleted rows,
@@ -384,19 +387,17 @@ class MilvusMemory:
                 self.collection.release(timeout=self.timeout)
                 try:
                     self.collection.drop_index(timeout=self.timeout)
-                    # pymilvus stops waiting for an index build only at an int timeout (a
-                    # float one waits forever): a build past it raises, it never hangs.
-                    wait = math.ceil(max(self.timeout, 600))
-                    self.collection.create_index("key", milvus_index(want), timeout=wait)
+                    # a build past long_wait raises: it never hangs
+                    self.collection.create_index("key", milvus_index(want), timeout=long_wait)
                 finally:
                     # searchable again even when the build failed or timed out (Milvus
                     # searches segments whose index is not built yet by brute force)
-                    self.collection.load(timeout=max(self.timeout, 600))
+                    self.collection.load(timeout=long_wait)
                 unavailable = time.perf_counter() - t1
                 recreated = True
             t2 = time.perf_counter()
-            utility.wait_for_index_building_complete(  # an int: see create_index above
-                self.url.collection, using=self.alias, timeout=math.ceil(max(self.timeout, 600))
+            utility.wait_for_index_building_complete(
+                self.url.collection, using=self.alias, timeout=long_wait
             )
             index_s = time.perf_counter() - t2
             self.params = want  # the index Milvus holds now, and its nprobe
