@@ -333,6 +333,30 @@ def torch_equal(a, b):
     return bool((a == b).all())
 
 
+def test_continual_finetuning_in_bfloat16_scores_like_the_bare_bfloat16_model():
+    """A bfloat16 evaluation trains float32 weights and scores their bfloat16 cast: with a
+    zero learning rate that is the evaluation's own bare model, token for token."""
+    from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
+
+    enc16 = Encoder.load("tiny-llama", threads=1, precision="bfloat16")
+    rng = np.random.default_rng(3)
+    d = dt.date(2021, 3, 1)
+    text = _text(rng, 40)
+    plans = [DayPlan(d, [_doc("t", text, d)], [], [_doc("x", _text(rng, 30), d)])]
+    window = WindowConfig(context=32, stride=16)
+    bare = enc16.encode_many([enc16.tokenize(plans[0].test[0].text)], window)[0]
+    frozen = [p.detach().clone() for p in enc16.model.parameters()]
+    still = continual_finetune(enc16, plans, window, FinetuneConfig(lr=0.0), resamples=20)
+    lp = bare.target_logprob.astype(np.float64)
+    assert still["test_ppl"] == pytest.approx(float(np.exp(-lp.mean())), rel=1e-12)
+    assert still["settings"]["scored_in"] == "bfloat16"
+    assert still["settings"]["trained_in"] == "float32"
+    # with a learning rate the float32 master moves, and so do its bfloat16 scores
+    moved = continual_finetune(enc16, plans, window, FinetuneConfig(lr=1e-3), resamples=20)
+    assert moved["test_ppl"] != still["test_ppl"]
+    assert all(torch_equal(a, b) for a, b in zip(frozen, enc16.model.parameters(), strict=True))
+
+
 def test_top1_under_the_mixture_matches_the_full_distribution(enc):
     from memlm.evaluate.names import TIE, top1_correct
     from memlm.knnlm import KnnParams, neighbour_log_weights

@@ -1,9 +1,13 @@
 """The parametric baseline: the same LM fine-tuned day by day on each day's ingested documents.
 
-A copy of the frozen model is trained, full weights, for one epoch over each day's
+A float32 copy of the frozen model is trained, full weights, for one epoch over each day's
 ingested documents (non-overlapping windows of the evaluation's context, one window per
 AdamW step, a small learning rate), then scores that day's test documents in the evening,
-as the memory policies do.  At the end of every month all test documents of the plan are
+as the memory policies do.  Scoring runs in the evaluation encoder's precision (a
+bfloat16 evaluation scores a bfloat16 cast of the trained weights, as its bare model is a
+bfloat16 cast of the original ones), so the baseline and the policies share one bare
+model; training stays float32 (CPU autocast to bfloat16 measured 15x slower per step
+here).  At the end of every month all test documents of the plan are
 scored again (the learning and forgetting table), and out-of-domain documents after the
 stream.  Cost: CPU seconds (``time.process_time``) and wall seconds of training per day.
 """
@@ -22,6 +26,7 @@ import torch
 
 from memlm.corpus import Document
 from memlm.encoder import Encoder, WindowConfig
+from memlm.encoder.loading import load_model
 from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.plan import DayPlan
 from memlm.interpolation import ppl
@@ -45,6 +50,30 @@ def _score(enc: Encoder, docs: Sequence[Document], window: WindowConfig) -> list
         return []
     outs = enc.encode_many([enc.tokenize(d.text) for d in docs], window)
     return [o.target_logprob.astype(np.float64) for o in outs]
+
+
+def _master(encoder: Encoder) -> Any:
+    """The float32 weights to train: the encoder's own model when it runs in float32, else
+    the model loaded again (a half-precision or int8 cast cannot take small updates)."""
+    if encoder.precision == "float32":
+        return copy.deepcopy(encoder.model)
+    model, _ = load_model(encoder.name)
+    return model.to(encoder.device)
+
+
+def _scorer(encoder: Encoder, master: Any, name: str) -> Encoder:
+    """An encoder over the trained weights, in ``encoder``'s precision: float32 shares
+    ``master``; any other precision scores a cast copy, leaving ``master`` float32."""
+    if encoder.precision == "float32":
+        return Encoder(master, encoder.tokenizer, name, threads=encoder.threads, device=encoder.device)
+    return Encoder(
+        copy.deepcopy(master).eval(),
+        encoder.tokenizer,
+        name,
+        threads=encoder.threads,
+        precision=encoder.precision,
+        device=encoder.device,
+    )
 
 
 def _train_day(
@@ -79,12 +108,10 @@ def continual_finetune(
     resamples: int = 1000,
 ) -> dict[str, Any]:
     """Fine-tune a copy of ``encoder``'s model over the plan; the report section."""
-    if getattr(encoder, "precision", "float32") != "float32":
-        # a bfloat16 or int8 copy of the weights cannot take small float32 updates
-        raise ValueError("the fine-tuning baseline needs the float32 model (--precision float32)")
     torch.manual_seed(cfg.seed)
-    model = copy.deepcopy(encoder.model)
-    enc = Encoder(model, encoder.tokenizer, f"{encoder.name}-finetuned", threads=encoder.threads)
+    model = _master(encoder)
+    name = f"{encoder.name}-finetuned"
+    enc = _scorer(encoder, model, name)  # float32: shares ``model``, else rebuilt each day
     for p in model.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -96,8 +123,12 @@ def continual_finetune(
     forgetting: dict[str, dict[str, float]] = {}
     for i, plan in enumerate(plans):
         c0, w0 = time.process_time(), time.perf_counter()
-        n = _train_day(model, opt, [enc.tokenize(d.text) for d in plan.train], window.context, cfg)
+        n = _train_day(
+            model, opt, [encoder.tokenize(d.text) for d in plan.train], window.context, cfg
+        )
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        if encoder.precision != "float32":
+            enc = _scorer(encoder, model, name)
         day_lps = _score(enc, plan.test, window)
         for j, lp in enumerate(day_lps):
             lps.append(lp)
@@ -124,7 +155,14 @@ def continual_finetune(
     lp_all = np.concatenate(lps) if lps else np.zeros(0)
     key_all = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     out: dict[str, Any] = {
-        "settings": {**asdict(cfg), "epochs": 1, "weights": "full", "optimizer": "AdamW"},
+        "settings": {
+            **asdict(cfg),
+            "epochs": 1,
+            "weights": "full",
+            "optimizer": "AdamW",
+            "trained_in": "float32",
+            "scored_in": encoder.precision,
+        },
         "test_ppl": ppl(lp_all),
         "test_ppl_ci95": list(ci(lp_all, key_all, resamples=resamples)) if lp_all.size else None,
         "test_tokens": int(lp_all.size),
@@ -136,7 +174,7 @@ def continual_finetune(
     }
     if ood:
         out["ood"] = {
-            name: ppl(np.concatenate(_score(enc, docs, window)) if docs else np.zeros(0))
-            for name, docs in ood.items()
+            src: ppl(np.concatenate(_score(enc, docs, window)) if docs else np.zeros(0))
+            for src, docs in ood.items()
         }
     return out
