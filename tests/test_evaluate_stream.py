@@ -357,6 +357,29 @@ def test_continual_finetuning_in_bfloat16_scores_like_the_bare_bfloat16_model():
     assert all(torch_equal(a, b) for a, b in zip(frozen, enc16.model.parameters(), strict=True))
 
 
+def test_the_finetune_section_shows_its_forgetting_table_out_of_domain_and_plot(tmp_path):
+    from memlm.evaluate.markdown import extra_plots, sections
+
+    ft = {
+        "settings": {"weights": "full", "optimizer": "AdamW", "lr": 1e-5, "epochs": 1},
+        "test_ppl": 25.0,
+        "test_ppl_ci95": [24.0, 26.0],
+        "cpu_seconds_per_day": 3.5,
+        "forgetting": {
+            "2021-01": {"2021-01": 20.0, "2021-02": 30.0},
+            "2021-02": {"2021-01": 21.0, "2021-02": 28.0},
+        },
+        "ood": {"wikipedia": 16.5},
+    }
+    report = {"finetune": ft, "ood": {"bare": {"wikipedia": {"ppl": 15.0}}}}
+    md = "\n".join(sections(report))
+    assert "test ppl 25.00 (24.00-26.00)" in md
+    assert "| 2021-02 | 21.00 | 28.00 |" in md
+    assert "wikipedia 16.50 (bare 15.00, +10.00%)" in md
+    extra_plots(report, tmp_path)  # no memory policy re-scored: the plot is the baseline's
+    assert (tmp_path / "forgetting.png").stat().st_size > 0
+
+
 def test_top1_under_the_mixture_matches_the_full_distribution(enc):
     from memlm.evaluate.names import TIE, top1_correct
     from memlm.knnlm import KnnParams, neighbour_log_weights

@@ -65,7 +65,9 @@ def _scorer(encoder: Encoder, master: Any, name: str) -> Encoder:
     """An encoder over the trained weights, in ``encoder``'s precision: float32 shares
     ``master``; any other precision scores a cast copy, leaving ``master`` float32."""
     if encoder.precision == "float32":
-        return Encoder(master, encoder.tokenizer, name, threads=encoder.threads, device=encoder.device)
+        return Encoder(
+            master, encoder.tokenizer, name, threads=encoder.threads, device=encoder.device
+        )
     return Encoder(
         copy.deepcopy(master).eval(),
         encoder.tokenizer,

@@ -87,6 +87,18 @@ def sections(report: dict[str, Any]) -> list[str]:
             lines.append("|---|" + "---:|" * len(months))
             for end, row in ft["forgetting"].items():
                 lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
+        bare_ood = (report.get("ood") or {}).get("bare", {})
+        if ft.get("ood"):
+            cells = []
+            for corpus, p in ft["ood"].items():
+                b = bare_ood.get(corpus, {}).get("ppl")
+                cells.append(
+                    f"{corpus} {p:.2f}" + (f" (bare {b:.2f}, {p / b - 1:+.2%})" if b else "")
+                )
+            lines += [
+                "",
+                "Fine-tuned model out of domain after the stream: " + "; ".join(cells) + ".",
+            ]
     t = report.get("timing")
     if t:
         e = t["encode"]
@@ -111,8 +123,11 @@ def sections(report: dict[str, Any]) -> list[str]:
 
 
 def extra_plots(report: dict[str, Any], out: Path) -> None:
-    """forgetting.png: each month's test ppl against the month-end of the memory."""
-    forg = report.get("forgetting")
+    """forgetting.png: each month's test ppl against the month-end of the memory (and of
+    the fine-tuned model, when the report has the baseline)."""
+    forg = dict(report.get("forgetting") or {})
+    if (report.get("finetune") or {}).get("forgetting"):
+        forg["finetune"] = report["finetune"]["forgetting"]
     if not forg or not any(row for table in forg.values() for row in table.values()):
         return
     import matplotlib
@@ -139,7 +154,7 @@ def extra_plots(report: dict[str, Any], out: Path) -> None:
                 ms=3,
                 label=f"{name}, test {m}",
             )
-    ax.set_xlabel("memory at the end of month")
+    ax.set_xlabel("memory (or fine-tuned model) at the end of month")
     ax.set_ylabel("test perplexity")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
