@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from memlm.corpus import Document
 from memlm.encoder import Encoder, WindowConfig
@@ -123,11 +125,12 @@ def continual_finetune(
     keys: list[np.ndarray] = []
     days: list[dict[str, Any]] = []
     forgetting: dict[str, dict[str, float]] = {}
+    day_ids = [[encoder.tokenize(d.text) for d in plan.train] for plan in plans]
+    bar = tqdm(total=sum(map(len, itertools.chain(*day_ids))), unit="tok", desc="finetune")
     for i, plan in enumerate(plans):
+        bar.set_postfix_str(plan.day.isoformat())
         c0, w0 = time.process_time(), time.perf_counter()
-        n = _train_day(
-            model, opt, [encoder.tokenize(d.text) for d in plan.train], window.context, cfg
-        )
+        n = _train_day(model, opt, day_ids[i], window.context, cfg)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         if encoder.precision != "float32":
             enc = _scorer(encoder, model, name)
@@ -144,6 +147,7 @@ def continual_finetune(
                 "test_ppl": ppl(np.concatenate(day_lps)) if day_lps else None,
             }
         )
+        bar.update(sum(map(len, day_ids[i])))
         if i + 1 == len(plans) or _month(plans[i + 1].day) != _month(plan.day):
             scored = _score(enc, tests, window)
             forgetting[_month(plan.day)] = {
@@ -154,6 +158,7 @@ def continual_finetune(
                 )
                 for m in sorted(set(test_month))
             }
+    bar.close()
     lp_all = np.concatenate(lps) if lps else np.zeros(0)
     key_all = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     out: dict[str, Any] = {
