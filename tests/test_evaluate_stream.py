@@ -232,6 +232,22 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
     assert _numbers(resumed) == _numbers(whole)
 
 
+def test_the_finetuned_model_is_scored_out_of_domain_after_the_stream(tmp_path, enc, monkeypatch):
+    import memlm.evaluate.harness
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(11)
+    ood = {c: [_doc(f"{c}-{i}", _text(rng, 50)) for i in range(2)] for c in ("wikipedia", "kjv")}
+    monkeypatch.setattr(memlm.evaluate.harness, "load_ood", lambda *a: ood)
+    cfg = _cfg(policies=("bare",), forgetting_policies=(), ood_dir="unused", finetune_lr=1e-3)
+    report = evaluate(cfg, _stream(), tmp_path / "out", encoder=enc, echo=str)
+    ft = report["finetune"]["ood"]
+    assert set(ft) == {"wikipedia", "kjv"} and all(np.isfinite(list(ft.values())))
+    # trained on the stream, the model no longer scores the other corpora as bare does
+    assert all(ft[c] != report["ood"]["bare"][c]["ppl"] for c in ft)
+    assert "Fine-tuned model out of domain" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_report_schema(tmp_path, enc, monkeypatch):
     import memlm.evaluate.harness
 

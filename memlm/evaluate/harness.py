@@ -204,6 +204,7 @@ def evaluate(
             plans,
             cfg.window,
             FinetuneConfig(lr=cfg.finetune_lr, seed=cfg.seed),
+            ood=ood,
             resamples=cfg.bootstrap_resamples,
         )
         echo(f"finetune   test ppl {report['finetune']['test_ppl']:.2f}")
