@@ -18,7 +18,7 @@ import copy
 import datetime as dt
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -108,7 +108,7 @@ def continual_finetune(
     window: WindowConfig,
     cfg: FinetuneConfig = FinetuneConfig(),
     *,
-    ood: dict[str, Sequence[Document]] | None = None,
+    ood: Mapping[str, Sequence[Document]] | None = None,
     resamples: int = 1000,
 ) -> dict[str, Any]:
     """Fine-tune a copy of ``encoder``'s model over the plan; the report section."""
