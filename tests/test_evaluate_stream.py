@@ -3,6 +3,7 @@
 import datetime as dt
 import gc
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -248,6 +249,48 @@ def test_the_finetuned_model_is_scored_out_of_domain_after_the_stream(tmp_path, 
     assert "Fine-tuned model out of domain" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_the_finetune_is_paired_with_the_policies_on_the_same_test_tokens(
+    tmp_path, enc, monkeypatch
+):
+    """With a zero learning rate the fine-tuned model is the bare model: its per-document
+    sums must equal bare's, document for document, which only holds when both score the
+    same tokens in the same order; it then never wins a resample against bare."""
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = _cfg(policies=("fullmem",), forgetting_policies=(), names=False, finetune_lr=0.0)
+    report = evaluate(cfg, _stream(), tmp_path / "still", encoder=enc, echo=str)
+    docs = json.loads((tmp_path / "still" / "test_documents.json").read_text())
+    sums = docs["logprob_sums"]
+    assert set(sums) == {"bare", "fullmem", "finetune"}
+    assert sums["finetune"] == pytest.approx(sums["bare"], rel=1e-5)
+    split = json.loads((tmp_path / "still" / "split.json").read_text())
+    assert sorted(d["id"] for d in docs["documents"]) == sorted(split["test"])
+    assert sum(d["tokens"] for d in docs["documents"]) == report["finetune"]["test_tokens"]
+    bare = report["results"]["bare"]["test_ppl"]
+    assert report["finetune"]["test_ppl"] == pytest.approx(bare, rel=1e-5)
+    shares = report["finetune"]["win_share"]
+    assert set(shares) == {"bare", "fullmem"} and all(0 <= w <= 1 for w in shares.values())
+    # a model that learns the stream beats bare in (nearly) every resample, and says so
+    cfg = replace(cfg, finetune_lr=3e-3)
+    learnt = evaluate(cfg, _stream(), tmp_path / "learnt", encoder=enc, echo=str)
+    assert learnt["finetune"]["test_ppl"] < bare
+    assert learnt["finetune"]["win_share"]["bare"] > 0.9
+    assert (
+        "Paired bootstrap on the same test documents"
+        in (tmp_path / "learnt" / "report.md").read_text()
+    )
+
+
+def test_systems_of_different_test_sets_are_not_paired():
+    from memlm.evaluate.paired import TestScores
+
+    scores = TestScores(np.array([0, 0, 1]))
+    scores.add("bare", np.array([-1.0, -2.0, -3.0]))
+    with pytest.raises(ValueError, match="do not share one test set"):
+        scores.add("finetune", np.array([-1.0, -2.0]))
+    scores.add("better", np.array([-0.5, -1.0, -1.0]))
+    assert scores.win_shares("better", ["bare", "better", "absent"], resamples=50) == {"bare": 1.0}
+
+
 def test_report_schema(tmp_path, enc, monkeypatch):
     import memlm.evaluate.harness
 
@@ -332,8 +375,9 @@ def test_continual_finetuning_learns_the_stream_and_leaves_the_frozen_model_alon
     window = WindowConfig(context=32, stride=16)
     before = [p.detach().clone() for p in enc.model.parameters()]
     bare = ppl(enc.encode_many([enc.tokenize(text)], window)[0].target_logprob.astype(np.float64))
-    out = continual_finetune(enc, plans, window, FinetuneConfig(lr=3e-3), resamples=50)
+    out, lp = continual_finetune(enc, plans, window, FinetuneConfig(lr=3e-3), resamples=50)
     assert out["test_ppl"] < bare / 2
+    assert out["test_ppl"] == pytest.approx(ppl(lp)) and out["test_tokens"] == lp.size
     assert [d["day"] for d in out["per_day"]] == ["2021-01-31", "2021-02-01"]
     n = len(enc.tokenize(text))  # windows of 32 tokens, each predicting all but its first
     per_doc = sum(min(32, n - s) - 1 for s in range(0, n - 1, 32))
@@ -362,13 +406,13 @@ def test_continual_finetuning_in_bfloat16_scores_like_the_bare_bfloat16_model():
     window = WindowConfig(context=32, stride=16)
     bare = enc16.encode_many([enc16.tokenize(plans[0].test[0].text)], window)[0]
     frozen = [p.detach().clone() for p in enc16.model.parameters()]
-    still = continual_finetune(enc16, plans, window, FinetuneConfig(lr=0.0), resamples=20)
+    still, _ = continual_finetune(enc16, plans, window, FinetuneConfig(lr=0.0), resamples=20)
     lp = bare.target_logprob.astype(np.float64)
     assert still["test_ppl"] == pytest.approx(float(np.exp(-lp.mean())), rel=1e-12)
     assert still["settings"]["scored_in"] == "bfloat16"
     assert still["settings"]["trained_in"] == "float32"
     # with a learning rate the float32 master moves, and so do its bfloat16 scores
-    moved = continual_finetune(enc16, plans, window, FinetuneConfig(lr=1e-3), resamples=20)
+    moved, _ = continual_finetune(enc16, plans, window, FinetuneConfig(lr=1e-3), resamples=20)
     assert moved["test_ppl"] != still["test_ppl"]
     assert all(torch_equal(a, b) for a, b in zip(frozen, enc16.model.parameters(), strict=True))
 

@@ -110,12 +110,16 @@ def continual_finetune(
     *,
     ood: Mapping[str, Sequence[Document]] | None = None,
     resamples: int = 1000,
-) -> dict[str, Any]:
-    """Fine-tune a copy of ``encoder``'s model over the plan; the report section."""
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Fine-tune a copy of ``encoder``'s model over the plan: the report section, and
+    log p(gold) of every test token (plan order, as the memory policies score them) for
+    paired comparisons."""
     torch.manual_seed(cfg.seed)
     model = _master(encoder)
     name = f"{encoder.name}-finetuned"
-    enc = _scorer(encoder, model, name)  # float32: shares ``model``, else rebuilt each day
+    # float32: one scorer sharing ``model`` (made before the weights take gradients again);
+    # any other precision: a cast of the day's weights, made each evening
+    enc = _scorer(encoder, model, name) if encoder.precision == "float32" else None
     for p in model.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -132,7 +136,7 @@ def continual_finetune(
         c0, w0 = time.process_time(), time.perf_counter()
         n = _train_day(model, opt, day_ids[i], window.context, cfg)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-        if encoder.precision != "float32":
+        if enc is None or encoder.precision != "float32":
             enc = _scorer(encoder, model, name)
         day_lps = _score(enc, plan.test, window)
         for j, lp in enumerate(day_lps):
@@ -180,8 +184,9 @@ def continual_finetune(
         "forgetting": forgetting,
     }
     if ood:
+        enc = enc or _scorer(encoder, model, name)
         out["ood"] = {
             src: ppl(np.concatenate(_score(enc, docs, window)) if docs else np.zeros(0))
             for src, docs in ood.items()
         }
-    return out
+    return out, lp_all

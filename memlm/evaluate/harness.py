@@ -21,6 +21,7 @@ from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
 from memlm.evaluate.forgetting import Rescore
 from memlm.evaluate.ood import load_ood
+from memlm.evaluate.paired import write_test_documents
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
 from memlm.evaluate.run import PolicyRun, run_policy
@@ -191,7 +192,7 @@ def evaluate(
     bar.close()
 
     t_report = time.perf_counter()
-    report = build_report(cfg, plans, runs, time.perf_counter() - t_start, cache)
+    report, scores = build_report(cfg, plans, runs, time.perf_counter() - t_start, cache)
     report["leakage"] = leakage
     add_forgetting(report, runs, workroot, grid)
     if ood:
@@ -199,7 +200,7 @@ def evaluate(
     if cfg.names:
         report["names"] = name_tokens(cfg, plans, runs, report, cache)
     if cfg.finetune_lr is not None:  # the parametric continual-learning baseline
-        report["finetune"] = continual_finetune(
+        ft, ft_lp = continual_finetune(
             encoder,
             plans,
             cfg.window,
@@ -207,7 +208,11 @@ def evaluate(
             ood=ood,
             resamples=cfg.bootstrap_resamples,
         )
-        echo(f"finetune   test ppl {report['finetune']['test_ppl']:.2f}")
+        scores.add("finetune", ft_lp)
+        ft["win_share"] = scores.win_shares("finetune", runs, resamples=cfg.bootstrap_resamples)
+        report["finetune"] = ft
+        echo(f"finetune   test ppl {ft['test_ppl']:.2f}")
+    write_test_documents(out / "test_documents.json", scores, plans)
     report["timing"] = timing(runs, seconds, cache, time.perf_counter() - t_report)
     report["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))

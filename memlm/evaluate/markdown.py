@@ -81,14 +81,21 @@ def sections(report: dict[str, Any]) -> list[str]:
             f"{ft['test_ppl']:.2f}" + (f" ({ci_[0]:.2f}-{ci_[1]:.2f})" if ci_ else "") + ", "
             f"{ft['cpu_seconds_per_day']} CPU-seconds of training a day.",
         ]
+        if ft.get("win_share"):
+            shares = ", ".join(f"{o} {w:.0%}" for o, w in ft["win_share"].items())
+            lines += [
+                "",
+                "Paired bootstrap on the same test documents (share of resamples in which the "
+                f"fine-tuned model has the lower test ppl): {shares}.",
+            ]
         if ft["forgetting"]:
             months = sorted({m for row in ft["forgetting"].values() for m in row})
             lines += ["", "| model at end of | " + " | ".join(months) + " |"]
             lines.append("|---|" + "---:|" * len(months))
             for end, row in ft["forgetting"].items():
                 lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
-        bare_ood = (report.get("ood") or {}).get("bare", {})
         if ft.get("ood"):
+            bare_ood = (report.get("ood") or {}).get("bare", {})
             cells = []
             for corpus, p in ft["ood"].items():
                 b = bare_ood.get(corpus, {}).get("ppl")

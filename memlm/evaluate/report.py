@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from memlm.evaluate.bootstrap import ci, win_share
+from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
 from memlm.evaluate.markdown import extra_plots, sections
+from memlm.evaluate.paired import KEY_STRIDE, TestScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
 from memlm.evaluate.run import PolicyRun
 from memlm.interpolation import ppl, token_logprobs, tune
@@ -26,13 +27,15 @@ def build_report(
     runs: dict[str, PolicyRun],
     seconds: float,
     cache: TokenCache,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], TestScores]:
+    """The report's settings, results and per-day rows; and every policy's test log-probs,
+    for paired comparisons with systems scored later (the fine-tuning baseline)."""
     results: dict[str, Any] = {}
     per_day: dict[str, list[dict[str, Any]]] = {}
     test_months = np.array([plans_day_month(d) for d in runs["bare"].test["day"]])
-    test_lps: dict[str, np.ndarray] = {}
     constant_lps: dict[str, np.ndarray] = {}
     doc_keys = _doc_keys(runs["bare"].test)
+    scores = TestScores(doc_keys)
     for name, run in runs.items():
         tau = _apply_trime(run, cfg) if cfg.trime is not None else None
         if name == "bare":
@@ -43,7 +46,7 @@ def build_report(
             test_lp = token_logprobs(run.test, params)
             if cfg.lambda_mode == "calibrated":
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
-        test_lps[name] = test_lp
+        scores.add(name, test_lp)
         constant_lps[name] = token_logprobs(run.test, params) if name != "bare" else test_lp
         results[name] = {
             **(calibrated if name != "bare" and cfg.lambda_mode == "calibrated" else {}),
@@ -88,14 +91,10 @@ def build_report(
         if cfg.lambda_mode == "calibrated" and name != "bare":
             r["constant_lambda_test_ppl_ci95"] = _ci(constant_lps[name], doc_keys, cfg)
         r["bytes"] = _memory_bytes(r["entries"], cache)
-        r["win_share"] = {
-            other: win_share(
-                test_lps[name], test_lps[other], doc_keys, resamples=cfg.bootstrap_resamples
-            )
-            for other in ("fullmem", "randmem")
-            if other in test_lps and other != name
-        }
-    return {
+        r["win_share"] = scores.win_shares(
+            name, ("fullmem", "randmem"), resamples=cfg.bootstrap_resamples
+        )
+    report = {
         "settings": {
             "model": cfg.model,
             "corpus": cfg.corpus,
@@ -134,11 +133,12 @@ def build_report(
         "results": results,
         "per_day": per_day,
     }
+    return report, scores
 
 
 def _doc_keys(split: dict[str, np.ndarray]) -> np.ndarray:
     """One key per held-out document: (day number, index of the document that day)."""
-    return split["day"].astype(np.int64) * 100_000 + split["doc"]
+    return split["day"].astype(np.int64) * KEY_STRIDE + split["doc"]
 
 
 def _ci(lp: np.ndarray, keys: np.ndarray, cfg: EvalConfig) -> list[float] | None:

@@ -1,0 +1,72 @@
+"""Every system's scores on the same test tokens: paired comparisons, and their record.
+
+The memory policies, the bare model and the fine-tuning baseline all score the plan's test
+documents token for token in one order (day, then document, then position).  Keeping those
+log-probabilities side by side lets any two systems be compared on the same document
+resamples (``bootstrap.win_share``), and ``test_documents.json`` keeps each document's sum
+and token count, with its id, so that runs over the same ``split.json`` can be paired later.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from memlm.evaluate.bootstrap import doc_sums, win_share
+from memlm.evaluate.plan import DayPlan, day_number
+
+
+@dataclass
+class TestScores:
+    """log p(gold) of every test token per system, and each token's document key."""
+
+    doc_keys: np.ndarray
+    logprobs: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add(self, system: str, logprobs: np.ndarray) -> None:
+        if logprobs.shape != self.doc_keys.shape:
+            raise ValueError(
+                f"{system} scored {logprobs.size} test tokens, the others {self.doc_keys.size}: "
+                "the systems do not share one test set"
+            )
+        self.logprobs[system] = logprobs
+
+    def win_shares(self, system: str, others: Iterable[str], *, resamples: int) -> dict[str, float]:
+        """Share of paired document resamples in which ``system`` has the lower perplexity
+        than each of ``others`` (those scored, other than itself)."""
+        mine = self.logprobs[system]
+        return {
+            o: win_share(mine, self.logprobs[o], self.doc_keys, resamples=resamples)
+            for o in others
+            if o in self.logprobs and o != system
+        }
+
+
+KEY_STRIDE = 100_000  # a test document's key: day number * KEY_STRIDE + its index that day
+
+
+def write_test_documents(path: Path, scores: TestScores, plans: Sequence[DayPlan]) -> None:
+    """Per test document: id, day, tokens, and each system's sum of log-probabilities."""
+    ids = {
+        day_number(p.day) * KEY_STRIDE + j: (d.id, p.day.isoformat())
+        for p in plans
+        for j, d in enumerate(p.test)
+    }
+    keys, first = np.unique(scores.doc_keys, return_index=True)
+    order = keys[np.argsort(first)]  # doc_sums' order: first appearance
+    sums = {s: doc_sums(lp, scores.doc_keys) for s, lp in scores.logprobs.items()}
+    tokens = next(iter(sums.values()))[1] if sums else np.zeros(len(order))
+    what = {
+        "what": "test documents in scoring order; logprob_sums[system][i] is the sum of "
+        "log p(gold) over document i's scored tokens",
+        "documents": [
+            {"id": ids[int(k)][0], "day": ids[int(k)][1], "tokens": int(n)}
+            for k, n in zip(order, tokens, strict=True)
+        ],
+        "logprob_sums": {s: [round(float(x), 6) for x in v[0]] for s, v in sums.items()},
+    }
+    path.write_text(json.dumps(what, indent=1))
