@@ -255,6 +255,8 @@ def test_the_finetune_is_paired_with_the_policies_on_the_same_test_tokens(
     """With a zero learning rate the fine-tuned model is the bare model: its per-document
     sums must equal bare's, document for document, which only holds when both score the
     same tokens in the same order; it then never wins a resample against bare."""
+    from memlm.evaluate.paired import compare_runs
+
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
     cfg = _cfg(policies=("fullmem",), forgetting_policies=(), names=False, finetune_lr=0.0)
     report = evaluate(cfg, _stream(), tmp_path / "still", encoder=enc, echo=str)
@@ -277,6 +279,14 @@ def test_the_finetune_is_paired_with_the_policies_on_the_same_test_tokens(
     assert (
         "Paired bootstrap on the same test documents"
         in (tmp_path / "learnt" / "report.md").read_text()
+    )
+    # the two runs share their split: they pair after the fact, bare with bare exactly
+    both = compare_runs({"still": tmp_path / "still", "learnt": tmp_path / "learnt"})
+    assert both["documents"] == len(docs["documents"])
+    assert both["systems"]["still/bare"] == both["systems"]["learnt/bare"]
+    assert both["win_share"]["learnt/finetune"]["still/finetune"] > 0.9
+    assert both["systems"]["learnt/finetune"]["ppl"] == pytest.approx(
+        learnt["finetune"]["test_ppl"], rel=1e-6  # sums are kept to 6 decimals
     )
 
 

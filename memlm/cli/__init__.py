@@ -17,6 +17,7 @@ app = typer.Typer(
 _COMMAND_MODULES = [
     "memlm.cli.corpus_cmd",
     "memlm.cli.eval_cmd",
+    "memlm.cli.compare_cmd",
     "memlm.cli.train_cmd",
     "memlm.cli.service_cmd",
     "memlm.cli.client_cmd",

@@ -38,6 +38,14 @@ def resampled_ppl(
 ) -> np.ndarray:
     """(resamples,) perplexity of each document resample."""
     sums, counts = doc_sums(logprobs, doc_keys)
+    return resampled_ppl_of_sums(sums, counts, resamples=resamples, seed=seed)
+
+
+def resampled_ppl_of_sums(
+    sums: np.ndarray, counts: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0
+) -> np.ndarray:
+    """As ``resampled_ppl``, from each document's log-prob sum and token count: the same
+    seed draws the same documents whatever the system, which is what pairs them."""
     if not len(sums):
         return np.full(resamples, math.nan)
     idx = _draws(len(sums), resamples, seed)

@@ -13,10 +13,11 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from memlm.evaluate.bootstrap import doc_sums, win_share
+from memlm.evaluate.bootstrap import RESAMPLES, doc_sums, resampled_ppl_of_sums, win_share
 from memlm.evaluate.plan import DayPlan, day_number
 
 
@@ -70,3 +71,67 @@ def write_test_documents(path: Path, scores: TestScores, plans: Sequence[DayPlan
         "logprob_sums": {s: [round(float(x), 6) for x in v[0]] for s, v in sums.items()},
     }
     path.write_text(json.dumps(what, indent=1))
+
+
+class PairingError(ValueError):
+    """Runs that cannot be paired: no test documents in common, or not the same tokens."""
+
+
+def _read(path: Path) -> dict[str, Any]:
+    file = path / "test_documents.json" if path.is_dir() else path
+    if not file.exists():
+        raise PairingError(f"{file}: no such file (runs made before test_documents.json lack it)")
+    try:
+        what = json.loads(file.read_text())
+        docs, sums = what["documents"], what["logprob_sums"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise PairingError(f"{file}: not a test_documents.json ({exc})") from exc
+    return {"file": file, "documents": docs, "logprob_sums": sums}
+
+
+def compare_runs(
+    runs: dict[str, Path], *, resamples: int = RESAMPLES, seed: int = 0, level: float = 0.95
+) -> dict[str, Any]:
+    """Pair every system of every run (``label/system``) on the test documents the runs
+    share: each system's perplexity on them with a bootstrap interval, and for each pair the
+    share of document resamples in which the first has the lower perplexity."""
+    read = {label: _read(Path(p)) for label, p in runs.items()}
+    common = set.intersection(*({d["id"] for d in r["documents"]} for r in read.values()))
+    if not common:
+        raise PairingError("the runs share no test document: were they made from one split?")
+    ids = sorted(common)
+    tokens: dict[str, int] = {}
+    columns: dict[str, np.ndarray] = {}
+    for label, r in read.items():
+        where = {d["id"]: i for i, d in enumerate(r["documents"])}
+        for i in ids:
+            n = int(r["documents"][where[i]]["tokens"])
+            if tokens.setdefault(i, n) != n:
+                raise PairingError(
+                    f"test document {i} has {tokens[i]} scored tokens in one run and {n} in "
+                    f"{label}: the runs used other windows or tokenizers"
+                )
+        for system, sums in r["logprob_sums"].items():
+            columns[f"{label}/{system}"] = np.array([sums[where[i]] for i in ids], np.float64)
+    counts = np.array([tokens[i] for i in ids], np.float64)
+    draws = {
+        s: resampled_ppl_of_sums(v, counts, resamples=resamples, seed=seed)
+        for s, v in columns.items()
+    }
+    a = (1 - level) / 2
+    return {
+        "documents": len(ids),
+        "tokens": int(counts.sum()),
+        "only_in_some_runs": sum(len(r["documents"]) for r in read.values()) - len(ids) * len(read),
+        "bootstrap": f"{resamples} resamples of the shared test documents, seed {seed}",
+        "systems": {
+            s: {
+                "ppl": float(np.exp(-v.sum() / counts.sum())),
+                "ci": [float(np.quantile(draws[s], a)), float(np.quantile(draws[s], 1 - a))],
+            }
+            for s, v in columns.items()
+        },
+        "win_share": {
+            s: {o: float(np.mean(draws[s] < draws[o])) for o in columns if o != s} for s in columns
+        },
+    }
