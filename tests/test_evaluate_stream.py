@@ -286,7 +286,8 @@ def test_the_finetune_is_paired_with_the_policies_on_the_same_test_tokens(
     assert both["systems"]["still/bare"] == both["systems"]["learnt/bare"]
     assert both["win_share"]["learnt/finetune"]["still/finetune"] > 0.9
     assert both["systems"]["learnt/finetune"]["ppl"] == pytest.approx(
-        learnt["finetune"]["test_ppl"], rel=1e-6  # sums are kept to 6 decimals
+        learnt["finetune"]["test_ppl"],
+        rel=1e-6,  # sums are kept to 6 decimals
     )
 
 

@@ -57,6 +57,23 @@ def F_linear_half(h, w, b, dtype):  # noqa: N802 - the product under test, witho
     return out if b is None else out + b
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gold_logit_is_exact_in_the_log_sum_exp_too(dtype):
+    """A gold token outside the rescored top-k: its float32 logit replaces the rounded one
+    in the row, so the log-sum-exp and the gold log-prob's numerator agree."""
+    w, h, b, _ = _head(dtype, True)
+    ref = h @ w.T + b
+    y = ref.argmin(-1)  # never among the largest
+    logits, _, top_logit = half_head_logits(h, w, b, w.to(dtype), y, k=16)
+    exact_gold = gold_logits(h, w, b, y)
+    assert torch.equal(logits.gather(1, y[:, None])[:, 0], exact_gold)
+    rounded, _, _ = half_head_logits(h, w, b, w.to(dtype), k=16)
+    assert not torch.equal(rounded.gather(1, y[:, None])[:, 0], exact_gold)  # it did move
+    stats = logit_statistics(logits.clone(), exact_gold, top_logit)
+    torch.testing.assert_close(stats["lse"], torch.logsumexp(logits, -1))
+    torch.testing.assert_close(stats["tlp"], exact_gold - torch.logsumexp(logits, -1))
+
+
 def test_rescoring_all_logits_is_the_float32_head():
     w, h, b, y = _head(torch.bfloat16, True)
     logits, top, _ = half_head_logits(h, w, b, w.bfloat16(), k=V)

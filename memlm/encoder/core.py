@@ -30,7 +30,7 @@ from torch import nn
 
 from memlm.encoder.attention import use_matmul_attention
 from memlm.encoder.device import free_cached_memory, is_out_of_memory, resolve_device
-from memlm.encoder.head import BLOCK_ROWS, gold_logits, half_head_logits, logit_statistics
+from memlm.encoder.head import BLOCK_ROWS, half_head_logits, logit_statistics
 from memlm.encoder.keys import capture_keys, hook_key, release_keys
 from memlm.encoder.loading import BUNDLED_MODEL, EncoderError, default_threads, load_model
 from memlm.encoder.precision import (
@@ -288,8 +288,8 @@ class Encoder:
             h, k, y = hidden[sl], keys[sl], targets[sl]
             if w_half is not None:
                 h = h.to(self.device)
-                logits, top, top_logit = half_head_logits(h, w, b, w_half)
-                gold = gold_logits(h, w, b, y)
+                logits, top, top_logit = half_head_logits(h, w, b, w_half, y)
+                gold = logits.gather(1, y[:, None]).squeeze(1)  # rescored in float32
             else:
                 logits = self._logits(h)  # (c, V) float32
                 gold = logits.gather(1, y[:, None]).squeeze(1)

@@ -37,13 +37,16 @@ def half_head_logits(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_half: torch.Tensor,
+    gold: torch.Tensor | None = None,
     k: int = RESCORE_K,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits (n, V) float32 of head inputs h (n, h) from a half-precision product, with
-    each row's ``k`` largest recomputed in float32; returns (logits, top (n,), top logit (n,)).
+    each row's ``k`` largest, and its ``gold`` token (n,) when given, recomputed in
+    float32; returns (logits, top (n,), top logit (n,)).
 
     ``weight`` (V, h) float32 and ``weight_half`` (V, h), the same in the transformer's
-    dtype. The top-1 is the best of the rescored ``k``.
+    dtype. The top-1 is the best of the rescored ``k``. Rescoring the gold logit in place
+    keeps the log-sum-exp consistent with the gold log-prob's numerator.
     """
     logits = F.linear(h.to(weight_half.dtype), weight_half).float()  # (n, V)
     if bias is not None:
@@ -53,6 +56,8 @@ def half_head_logits(
     if bias is not None:
         exact += bias[idx]
     logits.scatter_(1, idx, exact)
+    if gold is not None:
+        logits.scatter_(1, gold[:, None], gold_logits(h, weight, bias, gold)[:, None])
     top_logit, best = exact.max(dim=-1)
     return logits, idx.gather(1, best[:, None]).squeeze(1), top_logit
 

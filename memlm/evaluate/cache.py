@@ -26,7 +26,9 @@ class TokenCache:
         self.encoder, self.window = encoder, window
         slug = encoder.name.replace("/", "_")
         if encoder.precision != "float32":  # another key space: never share float32's cache
-            slug += f"-{encoder.precision}"
+            # "-g": the half head's log-sum-exp holds the float32 gold logit (earlier caches
+            # summed its half-precision rounding)
+            slug += f"-{encoder.precision}-g"
         self.root = (
             root or cache_dir() / "encoded"
         ) / f"{slug}-c{window.context}-s{window.stride}-k32"
