@@ -101,3 +101,26 @@ def test_cpu_and_cuda_encode_alike(model):
         np.linalg.norm(half.keys, axis=1) * np.linalg.norm(cpu.keys, axis=1)
     )
     assert cos.min() > 0.99
+
+
+@pytest.mark.gpu
+def test_continual_finetuning_trains_on_the_encoders_device():
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device visible to torch {torch.__version__}")
+    import datetime as dt
+
+    from memlm.corpus import Document
+    from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
+    from memlm.evaluate.plan import DayPlan
+
+    day = dt.date(2021, 3, 1)
+    text = " ".join(["the council voted on the budget for the schools"] * 8)
+    doc = Document("t", text, day, "src")
+    plans = [DayPlan(day, [doc], [], [Document("x", text, day, "src")])]
+    window = WindowConfig(context=32, stride=16)
+    scores = {}
+    for device in ("cpu", "cuda"):
+        enc = Encoder.load("tiny-llama", threads=1, device=device)
+        out, _ = continual_finetune(enc, plans, window, FinetuneConfig(lr=1e-3), resamples=10)
+        scores[device] = out["test_ppl"]
+    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=1e-2)

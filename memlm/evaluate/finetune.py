@@ -85,13 +85,14 @@ def _train_day(
 ) -> int:
     """One epoch over the day's documents; returns the tokens trained on."""
     model.train()
+    device = next(model.parameters()).device
     n = 0
     for doc in ids:
         for start in range(0, max(1, len(doc) - 1), context):
             chunk = doc[start : start + context]
             if len(chunk) < 2:
                 continue
-            x = torch.tensor([chunk], dtype=torch.long)  # (1, T)
+            x = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, T)
             loss = model(input_ids=x, labels=x).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
