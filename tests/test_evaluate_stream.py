@@ -292,9 +292,9 @@ def test_the_finetune_is_paired_with_the_policies_on_the_same_test_tokens(
 
 
 def test_systems_of_different_test_sets_are_not_paired():
-    from memlm.evaluate.paired import TestScores
+    from memlm.evaluate.paired import PairedScores
 
-    scores = TestScores(np.array([0, 0, 1]))
+    scores = PairedScores(np.array([0, 0, 1]))
     scores.add("bare", np.array([-1.0, -2.0, -3.0]))
     with pytest.raises(ValueError, match="do not share one test set"):
         scores.add("finetune", np.array([-1.0, -2.0]))

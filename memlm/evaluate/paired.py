@@ -22,7 +22,7 @@ from memlm.evaluate.plan import DayPlan, day_number
 
 
 @dataclass
-class TestScores:
+class PairedScores:
     """log p(gold) of every test token per system, and each token's document key."""
 
     doc_keys: np.ndarray
@@ -50,7 +50,7 @@ class TestScores:
 KEY_STRIDE = 100_000  # a test document's key: day number * KEY_STRIDE + its index that day
 
 
-def write_test_documents(path: Path, scores: TestScores, plans: Sequence[DayPlan]) -> None:
+def write_test_documents(path: Path, scores: PairedScores, plans: Sequence[DayPlan]) -> None:
     """Per test document: id, day, tokens, and each system's sum of log-probabilities."""
     ids = {
         day_number(p.day) * KEY_STRIDE + j: (d.id, p.day.isoformat())

@@ -14,7 +14,7 @@ from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
 from memlm.evaluate.markdown import extra_plots, sections
-from memlm.evaluate.paired import KEY_STRIDE, TestScores
+from memlm.evaluate.paired import KEY_STRIDE, PairedScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
 from memlm.evaluate.run import PolicyRun
 from memlm.interpolation import ppl, token_logprobs, tune
@@ -27,7 +27,7 @@ def build_report(
     runs: dict[str, PolicyRun],
     seconds: float,
     cache: TokenCache,
-) -> tuple[dict[str, Any], TestScores]:
+) -> tuple[dict[str, Any], PairedScores]:
     """The report's settings, results and per-day rows; and every policy's test log-probs,
     for paired comparisons with systems scored later (the fine-tuning baseline)."""
     results: dict[str, Any] = {}
@@ -35,7 +35,7 @@ def build_report(
     test_months = np.array([plans_day_month(d) for d in runs["bare"].test["day"]])
     constant_lps: dict[str, np.ndarray] = {}
     doc_keys = _doc_keys(runs["bare"].test)
-    scores = TestScores(doc_keys)
+    scores = PairedScores(doc_keys)
     for name, run in runs.items():
         tau = _apply_trime(run, cfg) if cfg.trime is not None else None
         if name == "bare":
