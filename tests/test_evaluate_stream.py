@@ -483,3 +483,37 @@ def test_top1_under_the_mixture_matches_the_full_distribution(enc):
         assert got.tolist() == expected.tolist()
         outcomes += expected.tolist()
     assert set(outcomes) == {True, False}  # the check saw both answers
+
+
+# --- MemRate with the LM alone ---------------------------------------------------------------
+
+
+def test_memrate_on_the_lm_alone_is_what_monim_stores_when_the_memory_has_no_weight(
+    tmp_path, enc, monkeypatch
+):
+    """With an ingest lambda of 0 the memory cannot change a decision: each day MoNIM and
+    AMT store exactly what the LM alone would. With a weight, the two counts are reported
+    side by side; FullMem and RandMem do not search, and have none."""
+    from memlm.knnlm import KnnParams
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    base = dict(names=False, forgetting_policies=(), policies=("fullmem", "monim", "monim-amt"))
+    base["delta"] = -10.78  # the tiny model's median log-prob: MoNIM stores about half
+    cfg = _cfg(**base, ingest=KnnParams(k=4, temperature=1.0, lmbda=0.0))
+    still = evaluate(cfg, _stream(), tmp_path / "still", encoder=enc, echo=str)
+    for name in ("monim", "monim-amt"):
+        rows = still["per_day"][name]
+        assert [r["stored_lm_alone"] for r in rows] == [r["stored"] for r in rows]
+        r = still["results"][name]
+        assert r["memrate_lm_alone"] == pytest.approx(r["memrate"])
+    assert 0.2 < still["results"]["monim"]["memrate"] < 0.8
+    assert "stored_lm_alone" not in still["per_day"]["fullmem"][0]
+    assert "memrate_lm_alone" not in still["results"]["fullmem"]
+    cfg = _cfg(**base, ingest=KnnParams(k=4, temperature=1.0, lmbda=0.9))
+    heavy = evaluate(cfg, _stream(), tmp_path / "heavy", encoder=enc, echo=str)
+    alone = [r["stored_lm_alone"] for r in heavy["per_day"]["monim"]]
+    assert alone == [r["stored_lm_alone"] for r in still["per_day"]["monim"]]  # memory-free
+    assert alone != [r["stored"] for r in heavy["per_day"]["monim"]]  # the memory mattered
+    md = (tmp_path / "heavy" / "report.md").read_text()
+    assert "MemRate deciding on the LM alone, as with an empty memory: monim " in md
+    assert (tmp_path / "heavy" / "memrate_daily.png").stat().st_size > 0

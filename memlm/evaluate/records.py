@@ -78,6 +78,10 @@ class DayStats:
     entries: int
     seconds: float
     ingest: dict[str, Any] = field(default_factory=dict)  # the interpolation MoNIM asked
+    # what a policy that searches its memory would have stored deciding on the LM alone
+    # (its memory empty): stored / seen against this splits MemRate into what the text's
+    # difficulty and what the memory decide (None: the policy does not search)
+    stored_lm_alone: int | None = None
     # wall time of the day's phases: ingest (search + policy + append), build, held-out search
     ingest_seconds: float = 0.0
     build_seconds: float = 0.0

@@ -86,11 +86,19 @@ def build_report(
                     "ingest_knn": ds_.ingest or None,
                 }
             )
+            if ds_.stored_lm_alone is not None:
+                rows[-1]["stored_lm_alone"] = ds_.stored_lm_alone
+                rows[-1]["memrate_day_lm_alone"] = (
+                    ds_.stored_lm_alone / ds_.tokens_seen if ds_.tokens_seen else 0.0
+                )
         per_day[name] = rows
     for name, r in results.items():
         if cfg.lambda_mode == "calibrated" and name != "bare":
             r["constant_lambda_test_ppl_ci95"] = _ci(constant_lps[name], doc_keys, cfg)
         r["bytes"] = _memory_bytes(r["entries"], cache)
+        rows_ = per_day[name]
+        if rows_ and all("stored_lm_alone" in row for row in rows_) and r["tokens_seen"]:
+            r["memrate_lm_alone"] = sum(row["stored_lm_alone"] for row in rows_) / r["tokens_seen"]
         r["win_share"] = scores.win_shares(
             name, ("fullmem", "randmem"), resamples=cfg.bootstrap_resamples
         )
@@ -230,6 +238,17 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {r['tokens_seen']} | {r['lambda']:g} | {r['temperature'] or '-'} | {r['k'] or '-'} "
             f"| {_share(r, 'fullmem')} | {_share(r, 'randmem')} |"
         )
+    alone = {n: r for n, r in report["results"].items() if "memrate_lm_alone" in r}
+    if alone:
+        cells = [
+            f"{n} {r['memrate_lm_alone']:.1%} (the memory spared "
+            f"{100 * (r['memrate_lm_alone'] - r['memrate']):.1f} points)"
+            for n, r in alone.items()
+        ]
+        lines += [
+            "",
+            "MemRate deciding on the LM alone, as with an empty memory: " + "; ".join(cells) + ".",
+        ]
     if s.get("lambda_mode") == "calibrated":
         lines += ["", "Constant lambda (tuned on dev) for the same policies:", ""]
         lines += ["| policy | test ppl (95% CI) |", "|---|---:|"]
@@ -281,7 +300,11 @@ def plots(report: dict[str, Any], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         for name in names:
             rows = per_day[name]
-            ax.plot(range(1, len(rows) + 1), [fn(r) for r in rows], marker="o", ms=3, label=name)
+            xs = range(1, len(rows) + 1)
+            line = ax.plot(xs, [fn(r) for r in rows], marker="o", ms=3, label=name)[0]
+            if fname == "memrate_daily.png" and all("memrate_day_lm_alone" in r for r in rows):
+                ys = [r["memrate_day_lm_alone"] for r in rows]
+                ax.plot(xs, ys, "--", color=line.get_color(), label=f"{name}, LM alone")
         days = [r["day"][5:] for r in per_day[names[0]]] if names else []
         ax.set_xticks(range(1, len(days) + 1), days, rotation=45, fontsize=8)
         ax.set_xlabel("stream day (MM-DD)")

@@ -135,7 +135,7 @@ def run_policy(
         plan = plans[day_index]
         t0 = time.perf_counter()
         dnum = day_number(plan.day)
-        day_seen = day_stored = 0
+        day_seen = day_stored = day_alone = 0
         knn: KnnParams = state.served["params"]
         asked = {
             "k": knn.k,
@@ -154,6 +154,8 @@ def run_policy(
             if policy.needs_augmented:
                 dist, _, vals = index.search_values(o.keys, knn.k)
                 scores = token_scores(cache.encoder, o, dist, vals, knn)
+                lm_alone = TokenScores(o.target_logprob, o.top_logprob, o.key_ce)
+                day_alone += int(policy.decide(lm_alone).sum())
             else:
                 nan = np.full(n, np.nan)
                 scores = TokenScores(nan, nan, o.key_ce)
@@ -210,6 +212,7 @@ def run_policy(
             ingest_seconds=round(t_build - t0, 3),
             build_seconds=round(t_search - t_build, 3),
             search_seconds=round(time.perf_counter() - t_search, 3),
+            stored_lm_alone=day_alone if policy is not None and policy.needs_augmented else None,
         )
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version
