@@ -80,6 +80,10 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     assert "| r1/bare | 7.39 (7.39-7.39) | - | 0% | 0% |" in res.output
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["win_share"]["ft/finetune"]["r1/bare"] == 1.0
+    # the same system encoded twice (float rounding apart) ties: neither wins
+    _write(tmp_path / "r3", [("x", 2), ("y", 2)], {"bare": [-4.0 + 1e-7, -4.0 - 2e-7]})
+    out = compare_runs({"r1": tmp_path / "r1", "r3": tmp_path / "r3"}, resamples=50)
+    assert out["win_share"]["r1/bare"]["r3/bare"] == out["win_share"]["r3/bare"]["r1/bare"] == 0
     res = runner.invoke(app, ["eval-compare", str(tmp_path / "r1"), str(tmp_path / "r1")])
     assert res.exit_code == 2 and "two runs are labelled 'r1'" in res.output
     res = runner.invoke(app, ["eval-compare", str(tmp_path / "r1"), str(tmp_path / "nope")])

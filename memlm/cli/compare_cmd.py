@@ -18,7 +18,8 @@ def eval_compare(
 ) -> None:
     """Compare every system of every run (made over one split.json, e.g. with --split) on
     the test documents they share: perplexity with a 95% bootstrap interval, and the paired
-    share of resamples in which the row's system has the lower perplexity."""
+    share of resamples in which the row's system has the lower perplexity (closer than a
+    relative 1e-6 is a tie, not a win)."""
     from memlm.evaluate.paired import PairingError, compare_runs
 
     labelled: dict[str, Path] = {}

@@ -14,6 +14,10 @@ import math
 import numpy as np
 
 RESAMPLES = 1000
+# Perplexities closer than this (relative) are a tie, not a win: two encodes of the same
+# text that batch other documents with it differ by float rounding (~1e-7), which must not
+# read as one system beating its own copy; real differences between systems are >= 1e-4.
+TIE_RTOL = 1e-6
 
 
 def doc_sums(logprobs: np.ndarray, doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +78,13 @@ def win_share(
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> float:
-    """Share of paired document resamples in which ``a`` has the lower perplexity."""
+    """Share of paired document resamples in which ``a`` has the lower perplexity (ties,
+    within ``TIE_RTOL``, are not wins)."""
     ra = resampled_ppl(a, doc_keys, resamples=resamples, seed=seed)
     rb = resampled_ppl(b, doc_keys, resamples=resamples, seed=seed)  # same draws
-    return float(np.mean(ra < rb))
+    return wins(ra, rb)
+
+
+def wins(ra: np.ndarray, rb: np.ndarray) -> float:
+    """Share of paired resamples in which ``ra`` is lower than ``rb`` beyond a tie."""
+    return float(np.mean(ra < rb * (1 - TIE_RTOL)))

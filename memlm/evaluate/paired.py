@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from memlm.evaluate.bootstrap import RESAMPLES, doc_sums, resampled_ppl_of_sums, win_share
+from memlm.evaluate.bootstrap import (
+    RESAMPLES,
+    doc_sums,
+    resampled_ppl_of_sums,
+    win_share,
+    wins,
+)
 from memlm.evaluate.plan import DayPlan, day_number
 
 
@@ -131,7 +137,5 @@ def compare_runs(
             }
             for s, v in columns.items()
         },
-        "win_share": {
-            s: {o: float(np.mean(draws[s] < draws[o])) for o in columns if o != s} for s in columns
-        },
+        "win_share": {s: {o: wins(draws[s], draws[o]) for o in columns if o != s} for s in columns},
     }
