@@ -26,9 +26,11 @@ class TokenCache:
         self.encoder, self.window = encoder, window
         slug = encoder.name.replace("/", "_")
         if encoder.precision != "float32":  # another key space: never share float32's cache
-            # "-g": the half head's log-sum-exp holds the float32 gold logit (earlier caches
-            # summed its half-precision rounding)
-            slug += f"-{encoder.precision}-g"
+            slug += f"-{encoder.precision}"
+        if encoder.head_weight_half is not None:
+            # the half head's log-sum-exp holds the float32 gold logit (earlier caches summed
+            # its half-precision rounding); int8 keeps the float32 head and its caches
+            slug += "-g"
         self.root = (
             root or cache_dir() / "encoded"
         ) / f"{slug}-c{window.context}-s{window.stride}-k32"

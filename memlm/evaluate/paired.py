@@ -3,7 +3,7 @@
 The memory policies, the bare model and the fine-tuning baseline all score the plan's test
 documents token for token in one order (day, then document, then position).  Keeping those
 log-probabilities side by side lets any two systems be compared on the same document
-resamples (``bootstrap.win_share``), and ``test_documents.json`` keeps each document's sum
+resamples (``bootstrap.wins``), and ``test_documents.json`` keeps each document's sum
 and token count, with its id, so that runs over the same ``split.json`` can be paired later.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 from memlm.evaluate.bootstrap import (
     RESAMPLES,
     doc_sums,
+    resampled_ppl,
     resampled_ppl_of_sums,
-    win_share,
     wins,
 )
 from memlm.evaluate.plan import DayPlan, day_number
@@ -45,12 +45,12 @@ class PairedScores:
     def win_shares(self, system: str, others: Iterable[str], *, resamples: int) -> dict[str, float]:
         """Share of paired document resamples in which ``system`` has the lower perplexity
         than each of ``others`` (those scored, other than itself)."""
-        mine = self.logprobs[system]
-        return {
-            o: win_share(mine, self.logprobs[o], self.doc_keys, resamples=resamples)
-            for o in others
-            if o in self.logprobs and o != system
-        }
+
+        def draws(s: str) -> np.ndarray:  # one seed: every system draws the same documents
+            return resampled_ppl(self.logprobs[s], self.doc_keys, resamples=resamples)
+
+        mine = draws(system)
+        return {o: wins(mine, draws(o)) for o in others if o in self.logprobs and o != system}
 
 
 KEY_STRIDE = 100_000  # a test document's key: day number * KEY_STRIDE + its index that day
@@ -63,8 +63,8 @@ def write_test_documents(path: Path, scores: PairedScores, plans: Sequence[DayPl
         for p in plans
         for j, d in enumerate(p.test)
     }
-    keys, first = np.unique(scores.doc_keys, return_index=True)
-    order = keys[np.argsort(first)]  # doc_sums' order: first appearance
+    _, first = np.unique(scores.doc_keys, return_index=True)
+    order = scores.doc_keys[np.sort(first)]  # doc_sums' order: first appearance
     sums = {s: doc_sums(lp, scores.doc_keys) for s, lp in scores.logprobs.items()}
     tokens = next(iter(sums.values()))[1] if sums else np.zeros(len(order))
     what = {
