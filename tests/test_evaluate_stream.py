@@ -231,6 +231,11 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
     resumed = evaluate(_cfg(resume=True), docs, out, encoder=enc, echo=str)
     assert resumed["settings"]["encoded_tokens_this_run"] == 0  # nothing re-encoded
     assert _numbers(resumed) == _numbers(whole)
+    # the days that ran before the interruption still count in each policy's wall time
+    for name, rows in resumed["per_day"].items():
+        assert resumed["timing"][name]["seconds"] >= sum(r["seconds"] for r in rows) - 0.1 * len(
+            rows
+        )
 
 
 def test_the_finetuned_model_is_scored_out_of_domain_after_the_stream(tmp_path, enc, monkeypatch):

@@ -164,8 +164,10 @@ def timing(
         ingest = sum(d.ingest_seconds for d in run.days)
         held_out = int(run.dev["gold"].size + run.test["gold"].size)
         search = sum(d.search_seconds for d in run.days)
+        # A resumed policy's days ran in an earlier process: their own wall time counts.
+        days_s = sum(d.seconds for d in run.days)
         out[name] = {
-            "seconds": round(seconds[name], 1),
+            "seconds": round(max(seconds[name], days_s), 1),
             "ingest_seconds": round(ingest, 1),
             "ingest_tokens_per_s": rate(run.tokens_seen, ingest),
             "build_seconds": round(sum(d.build_seconds for d in run.days), 1),
