@@ -129,6 +129,33 @@ def test_cache_reuses_encodings(tmp_path, enc):
         np.testing.assert_array_equal(a.target_logprob, b.target_logprob)
 
 
+def test_an_interrupted_encode_keeps_the_chunks_it_finished(tmp_path, enc, monkeypatch):
+    texts = [f"story {i} about the council and the vote number {i}" for i in range(5)]
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)
+    cache.chunk_docs = 2
+    real, calls = enc.encode_many, []
+
+    def dies_on_the_second_chunk(docs, *a, **kw):
+        calls.append(len(docs))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(docs, *a, **kw)
+
+    monkeypatch.setattr(enc, "encode_many", dies_on_the_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        cache.get_many(texts, progress=True)
+    assert calls == [2, 2] and len(list(tmp_path.glob("*/*.npz"))) == 2
+    assert not list(tmp_path.glob("*/*.tmp.npz"))
+    monkeypatch.setattr(enc, "encode_many", real)
+    again = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)
+    got = again.get_many(texts)
+    assert again.encoded_tokens == sum(len(o) for o in got[2:])  # the first chunk was kept
+    fresh = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path / "fresh")
+    for a, b in zip(got, fresh.get_many(texts), strict=True):
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.targets, b.targets)
+
+
 def test_evaluate_writes_report(tmp_path, enc, monkeypatch):
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
     cfg = EvalConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import fields
@@ -11,6 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
+
+# Documents encoded between two writes: small enough that an interrupted encode loses
+# under a minute of work on a CPU, large enough to batch windows of similar length.
+CHUNK_DOCS = 16
 
 
 class TokenCache:
@@ -35,6 +40,7 @@ class TokenCache:
             root or cache_dir() / "encoded"
         ) / f"{slug}-c{window.context}-s{window.stride}-k32"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.chunk_docs = CHUNK_DOCS
         self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
         self.encode_seconds = 0.0
 
@@ -60,20 +66,36 @@ class TokenCache:
             else:
                 missing.append(i)
         if missing:
-            t0 = time.perf_counter()
-            enc = self.encoder.encode_many(
-                [ids[i] for i in missing], self.window, progress=progress
-            )
-            self.encode_seconds += time.perf_counter() - t0
-            for i, o in zip(missing, enc, strict=True):
-                self.encoded_tokens += len(o)
-                p = self._path(ids[i])
-                tmp = p.with_suffix(".tmp.npz")
-                arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
-                del arrays["prev_tokens"]  # derived from the token ids on load
-                arrays["keys"] = o.keys.astype(np.float32)  # queries in float32, as served
-                np.savez(tmp, **arrays)
-                tmp.replace(p)
-                o.keys = arrays["keys"]  # same values as a reload
-                out[i] = o
+            bar = None
+            if progress:
+                from tqdm import tqdm
+
+                total = sum(max(len(ids[i]) - 1, 0) for i in missing)
+                bar = tqdm(total=total, unit="tok", desc="encode", smoothing=0.05)
+            # Chunks of documents, each written before the next is encoded: an interrupted
+            # encode keeps what it finished, and another process sharing the cache skips it.
+            for c in range(0, len(missing), self.chunk_docs):
+                part = missing[c : c + self.chunk_docs]
+                t0 = time.perf_counter()
+                enc = self.encoder.encode_many([ids[i] for i in part], self.window)
+                self.encode_seconds += time.perf_counter() - t0
+                for i, o in zip(part, enc, strict=True):
+                    self.encoded_tokens += len(o)
+                    out[i] = self._write(ids[i], o)
+                if bar is not None:
+                    bar.update(sum(len(o) for o in enc))
+            if bar is not None:
+                bar.close()
         return [out[i] for i in range(len(texts))]
+
+    def _write(self, doc_ids: Sequence[int], o: TokenOutputs) -> TokenOutputs:
+        """Store one document's outputs atomically (a temporary file per process)."""
+        p = self._path(doc_ids)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp.npz")
+        arrays = {f.name: getattr(o, f.name) for f in fields(TokenOutputs)}
+        del arrays["prev_tokens"]  # derived from the token ids on load
+        arrays["keys"] = o.keys.astype(np.float32)  # queries in float32, as served
+        np.savez(tmp, **arrays)
+        tmp.replace(p)
+        o.keys = arrays["keys"]  # same values as a reload
+        return o
