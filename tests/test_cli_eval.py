@@ -172,12 +172,13 @@ def test_stream_options(captured: list[Any], tmp_path: Path) -> None:
     args = ["eval", "--out", str(tmp_path), "--resume", "--no-dedup", "--dev-share", "0.05"]
     args += ["--test-share", "0.04", "--forgetting", "fullmem", "--no-names"]
     args += ["--finetune-lr", "1e-5", "--ood-dir", str(tmp_path), "--ood-tokens", "100"]
+    args += ["--encode-shard", "1/2"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     (cfg,) = captured
     assert (cfg.resume, cfg.dedup, cfg.dev_share, cfg.test_share) == (True, False, 0.05, 0.04)
     assert (cfg.forgetting_policies, cfg.names, cfg.finetune_lr) == (("fullmem",), False, 1e-5)
-    assert (cfg.ood_dir, cfg.ood_tokens) == (str(tmp_path), 100)
+    assert (cfg.ood_dir, cfg.ood_tokens, cfg.encode_shard) == (str(tmp_path), 100, (1, 2))
 
 
 def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
@@ -191,7 +192,7 @@ def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
         None,
         None,
     )
-    assert cfg.forgetting_policies == ("fullmem", "monim")
+    assert cfg.forgetting_policies == ("fullmem", "monim") and cfg.encode_shard is None
 
 
 @pytest.mark.parametrize(
@@ -200,6 +201,8 @@ def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
         (["--dev-share", "0"], "must be in (0,"),
         (["--test-share", "0.6"], "must be in (0,"),
         (["--finetune-lr", "2"], "must be in (0, 1)"),
+        (["--encode-shard", "2/2"], "expected I/N with 0 <= I < N"),
+        (["--encode-shard", "1"], "expected I/N with 0 <= I < N"),
     ],
 )
 def test_bad_stream_options_are_refused(

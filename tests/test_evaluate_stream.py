@@ -238,6 +238,21 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
         )
 
 
+def test_encode_shards_fill_the_cache_the_run_then_reads(tmp_path, enc, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    docs = _stream()
+    shards = [
+        evaluate(_cfg(encode_shard=(i, 2)), docs, tmp_path / f"s{i}", encoder=enc, echo=str)
+        for i in range(2)
+    ]
+    assert all(s["encoded_tokens"] > 0 for s in shards)
+    assert not (tmp_path / "s0" / "report.json").exists()  # a shard only encodes
+    again = evaluate(_cfg(encode_shard=(0, 2)), docs, tmp_path / "s0", encoder=enc, echo=str)
+    assert again["encoded_tokens"] == 0 and again["documents"] == shards[0]["documents"]
+    report = evaluate(_cfg(), docs, tmp_path / "run", encoder=enc, echo=str)
+    assert report["settings"]["encoded_tokens_this_run"] == 0  # the shards encoded it all
+
+
 def test_the_finetuned_model_is_scored_out_of_domain_after_the_stream(tmp_path, enc, monkeypatch):
     import memlm.evaluate.harness
 

@@ -106,6 +106,11 @@ def eval_command(
         help="also run the continual fine-tuning baseline (full weights, one epoch a day, "
         "AdamW at this learning rate, e.g. 1e-5); slow: about 3 forward passes per token",
     ),
+    encode_shard: str | None = typer.Option(
+        None,
+        help="I/N: only encode shard I (0-based) of N of the run's texts into the token cache "
+        "and stop; N such processes of one thread each, then the same command without it",
+    ),
     precision: str = typer.Option(
         "auto",
         envvar="MEMLM_PRECISION",
@@ -180,6 +185,15 @@ def eval_command(
         raise typer.BadParameter(
             "--dev-share and --test-share must be in (0, 0.5)", param_hint="--dev-share"
         )
+    shard = None
+    if encode_shard is not None:
+        i, _, n = encode_shard.partition("/")
+        if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+            raise typer.BadParameter(
+                f"expected I/N with 0 <= I < N, e.g. 0/2; got {encode_shard!r}",
+                param_hint="--encode-shard",
+            )
+        shard = (int(i), int(n))
     try:
         window = WindowConfig(context=context, stride=stride, batch_size=batch_size)
     except ValueError as exc:  # e.g. --stride equal to --context: name the largest legal one
@@ -219,6 +233,7 @@ def eval_command(
         finetune_lr=finetune_lr,
         ood_dir=None if ood_dir is None else str(ood_dir),
         ood_tokens=ood_tokens,
+        encode_shard=shard,
     )
     from memlm.encoder import Encoder, EncoderError
 
@@ -235,6 +250,8 @@ def eval_command(
         raise typer.BadParameter(str(exc), param_hint="--resume") from exc
     except OodError as exc:
         raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
+    if shard is not None:
+        return  # the shard's summary was echoed
     from memlm.evaluate import render_markdown
 
     typer.echo(render_markdown(report))

