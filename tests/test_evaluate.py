@@ -156,6 +156,17 @@ def test_an_interrupted_encode_keeps_the_chunks_it_finished(tmp_path, enc, monke
         np.testing.assert_array_equal(a.targets, b.targets)
 
 
+def test_cache_lengths_encode_what_is_missing_and_read_only_headers(tmp_path, enc):
+    texts = [f"the council met on day {i} and voted " * (i + 1) for i in range(5)]
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)
+    cache.chunk_docs = 2
+    cache.get_many(texts[:2])
+    lengths = cache.lengths(texts, progress=True)
+    assert cache.encoded_tokens == sum(lengths)  # the first two counted once, when encoded
+    assert lengths == [len(o) for o in cache.get_many(texts)]
+    assert lengths == sorted(lengths) and lengths[0] > 0
+
+
 def test_evaluate_writes_report(tmp_path, enc, monkeypatch):
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
     cfg = EvalConfig(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +18,15 @@ from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 # Documents encoded between two writes: small enough that an interrupted encode loses
 # under a minute of work on a CPU, large enough to batch windows of similar length.
 CHUNK_DOCS = 16
+
+
+def _header(zf: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """(shape, fortran order, dtype) of one array of an ``.npz``, without reading it."""
+    with zf.open(f"{name}.npy") as f:
+        major, _ = np.lib.format.read_magic(f)
+        if major == 1:
+            return np.lib.format.read_array_header_1_0(f)
+        return np.lib.format.read_array_header_2_0(f)
 
 
 class TokenCache:
@@ -86,6 +97,41 @@ class TokenCache:
                     bar.update(sum(len(o) for o in enc))
             if bar is not None:
                 bar.close()
+        return [out[i] for i in range(len(texts))]
+
+    def lengths(self, texts: Sequence[str], progress: bool = False) -> list[int]:
+        """Each text's scored-token count, encoding what the cache lacks on the way.
+
+        Holds at most one chunk of outputs: a whole stream's keys do not fit in memory
+        (2.65M tokens x 576 x 4 bytes), and freed small arrays are not given back to the
+        system, so loading them all once left each run at 12 GB resident.
+        """
+        ids = [self.encoder.tokenize(t) for t in texts]
+        out: dict[int, int] = {}
+        missing = []
+        for i, doc_ids in enumerate(ids):
+            p = self._path(doc_ids)
+            if p.exists():
+                with zipfile.ZipFile(p) as zf:  # array headers only, no data
+                    if _header(zf, "keys")[2] == np.float32:
+                        out[i] = int(_header(zf, "targets")[0][0])
+                        continue
+            missing.append(i)
+        bar = None
+        if progress and missing:
+            from tqdm import tqdm
+
+            total = sum(max(len(ids[i]) - 1, 0) for i in missing)
+            bar = tqdm(total=total, unit="tok", desc="encode", smoothing=0.05)
+        for c in range(0, len(missing), self.chunk_docs):
+            part = missing[c : c + self.chunk_docs]
+            got = self.get_many([texts[i] for i in part])
+            for i, o in zip(part, got, strict=True):
+                out[i] = len(o)
+            if bar is not None:
+                bar.update(sum(len(o) for o in got))
+        if bar is not None:
+            bar.close()
         return [out[i] for i in range(len(texts))]
 
     def _write(self, doc_ids: Sequence[int], o: TokenOutputs) -> TokenOutputs:

@@ -157,7 +157,7 @@ def evaluate(
     all_texts += [d.text for docs in (ood or {}).values() for d in docs]
     if cfg.encode_shard is not None:
         return _encode_shard(cache, all_texts, *cfg.encode_shard, echo=echo)
-    lengths = dict(zip(all_texts, map(len, cache.get_many(all_texts, progress=True)), strict=True))
+    lengths = dict(zip(all_texts, cache.lengths(all_texts, progress=True), strict=True))
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
     _check_resume(cfg, plans, out / "work")
