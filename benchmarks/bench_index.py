@@ -11,6 +11,7 @@ search over the same keys.
     python benchmarks/bench_index.py --crossover --k 1024       # direct vs BLAS
     python benchmarks/bench_index.py --sizes 100000 --incremental 10000   # nightly vs retrain
     python benchmarks/bench_index.py --append --workdir /work         # durable appends
+    python benchmarks/bench_index.py --f16 --k 1024                   # re-rank conversion
     python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
@@ -257,6 +258,42 @@ def fmt(v: object) -> str:
     return str(v)
 
 
+def f16_conversion(args: argparse.Namespace) -> None:
+    """float16 -> float32 of one re-rank block (4 * k candidates of dim), three ways."""
+    import torch
+
+    from memlm.index.params import f16_to_f32
+
+    threads = args.threads or int(os.environ.get("MEMLM_THREADS", "1"))
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4 * args.k, args.dim)).astype(np.float16)
+    sq = faiss.ScalarQuantizer(args.dim, faiss.ScalarQuantizer.QT_fp16)
+    ways = {
+        "faiss fp16 decoder (before)": lambda: sq.decode(x.view(np.uint8)),
+        "numpy astype": lambda: x.astype(np.float32),
+        "memlm f16_to_f32 (torch)": lambda: f16_to_f32(x),
+    }
+    ref = x.astype(np.float32)
+    best = {name: float("inf") for name in ways}
+    for _ in range(args.repeat):  # interleaved: load hits every way alike
+        for name, f in ways.items():
+            t0 = time.perf_counter()
+            for _ in range(20):
+                out = f()
+            best[name] = min(best[name], (time.perf_counter() - t0) / 20)
+            assert np.array_equal(out, ref), name  # exact, all three
+    print(
+        f"# block {x.shape[0]} x {args.dim} float16, threads={threads}, best of {args.repeat}, "
+        f"load-avg(1m)={os.getloadavg()[0]:.2f}"
+    )
+    base = best["faiss fp16 decoder (before)"]
+    print("| conversion | ms per block | ns per value | speed-up |")
+    print("|---|---:|---:|---:|")
+    for name, t in best.items():
+        print(f"| {name} | {t * 1e3:.3f} | {t * 1e9 / x.size:.2f} | {base / t:.1f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="20000,100000", help="comma-separated N")
@@ -295,7 +332,14 @@ def main() -> None:
         action="store_true",
         help="only time flat search direct vs BLAS by batch size (N = last of --sizes)",
     )
+    ap.add_argument(
+        "--f16", action="store_true", help="only time the float16 -> float32 re-rank conversion"
+    )
+    ap.add_argument("--repeat", type=int, default=5, help="--f16: interleaved repetitions")
     args = ap.parse_args()
+    if args.f16:
+        f16_conversion(args)
+        return
     threads = args.threads or int(os.environ.get("MEMLM_THREADS", "0")) or None
     if threads:
         faiss.omp_set_num_threads(threads)
