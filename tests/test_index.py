@@ -507,3 +507,15 @@ def test_prune_drops_versions_built_before_a_deletion(ds: Datastore, tmp_path: P
     removed = prune(root, keep=3, deleted_documents=ds.num_deleted_documents)
     assert sorted(p.name for p in removed) == ["v000002", "v000003"]
     assert list_versions(root) == [4] and current_version(root) == 4
+
+
+def test_f16_to_f32_is_exact_and_takes_read_only_keys():
+    from memlm.index.params import f16_to_f32
+
+    x = np.array([[0, 1, -2.5, np.inf, -np.inf, 6e-8, 65504, 1e-3]], np.float16)
+    x = np.repeat(x, 3, 0)
+    x.setflags(write=False)  # a read-only memmap's rows: torch would warn (an error here)
+    got = f16_to_f32(x)
+    assert got.dtype == np.float32 and np.array_equal(got, x.astype(np.float32))
+    got -= 1.0  # the caller may work in place
+    assert np.array_equal(f16_to_f32(x[::2]), x[::2].astype(np.float32))

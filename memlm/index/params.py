@@ -158,5 +158,8 @@ def f16_to_f32(x: npt.NDArray[np.float16]) -> npt.NDArray[np.float32]:
     block against 2.36 for faiss's fp16 decoder and 5.73 for numpy (AMD EPYC, 1 thread,
     `python benchmarks/bench_index.py --f16 --k 1024`); every re-rank converts its
     candidates' keys."""
-    out: npt.NDArray[np.float32] = torch.from_numpy(np.ascontiguousarray(x)).float().numpy()
+    x = np.ascontiguousarray(x)
+    if not x.flags.writeable:  # torch warns on read-only buffers (a read-only memmap)
+        x = x.copy()
+    out: npt.NDArray[np.float32] = torch.from_numpy(x).float().numpy()
     return out
