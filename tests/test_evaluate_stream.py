@@ -505,6 +505,31 @@ def test_top1_under_the_mixture_matches_the_full_distribution(enc):
     assert set(outcomes) == {True, False}  # the check saw both answers
 
 
+def test_top1_counts_the_lm_right_when_its_gold_and_top1_log_probs_differ_in_the_last_digits(
+    enc,
+):
+    """A half-precision head reports the top-1 log-prob from its own logits and the gold's
+    rescored in float32: for the same token they differ by ~1e-5. At lambda 0 (or with no
+    neighbours) the mixture's arg max is the LM's, whatever those digits say."""
+    from memlm.evaluate.names import top1_correct
+    from memlm.knnlm import KnnParams
+
+    rng = np.random.default_rng(5)
+    o = enc.encode_many([enc.tokenize(_text(rng, 80))], WindowConfig(context=32, stride=16))[0]
+    n = len(o)
+    o.targets[: n // 2] = o.top_id[: n // 2]  # the LM is right on the first half
+    o.target_logprob[: n // 2] = o.top_logprob[: n // 2] - 3e-5  # rescored gold: lower
+    right = o.top_id == o.targets
+    assert right.any() and not right.all()
+    vals = np.repeat(o.top_id[:, None], 4, 1).astype(np.int64)
+    dist = np.ones((n, 4), np.float32)
+    got = top1_correct(enc, o, np.arange(n), dist, vals, KnnParams(k=4, lmbda=0.0))
+    assert got.tolist() == right.tolist()
+    no_neighbours = np.full((n, 4), -1, np.int64)
+    got = top1_correct(enc, o, np.arange(n), dist, no_neighbours, KnnParams(k=4, lmbda=0.5))
+    assert got.tolist() == right.tolist()
+
+
 # --- MemRate with the LM alone ---------------------------------------------------------------
 
 
