@@ -6,7 +6,7 @@ import hashlib
 import os
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -76,27 +76,8 @@ class TokenCache:
                 out[i] = TokenOutputs(**arrays)
             else:
                 missing.append(i)
-        if missing:
-            bar = None
-            if progress:
-                from tqdm import tqdm
-
-                total = sum(max(len(ids[i]) - 1, 0) for i in missing)
-                bar = tqdm(total=total, unit="tok", desc="encode", smoothing=0.05)
-            # Chunks of documents, each written before the next is encoded: an interrupted
-            # encode keeps what it finished, and another process sharing the cache skips it.
-            for c in range(0, len(missing), self.chunk_docs):
-                part = missing[c : c + self.chunk_docs]
-                t0 = time.perf_counter()
-                enc = self.encoder.encode_many([ids[i] for i in part], self.window)
-                self.encode_seconds += time.perf_counter() - t0
-                for i, o in zip(part, enc, strict=True):
-                    self.encoded_tokens += len(o)
-                    out[i] = self._write(ids[i], o)
-                if bar is not None:
-                    bar.update(sum(len(o) for o in enc))
-            if bar is not None:
-                bar.close()
+        for i, o in self._encode(ids, missing, progress):
+            out[i] = o
         return [out[i] for i in range(len(texts))]
 
     def lengths(self, texts: Sequence[str], progress: bool = False) -> list[int]:
@@ -117,22 +98,39 @@ class TokenCache:
                         out[i] = int(_header(zf, "targets")[0][0])
                         continue
             missing.append(i)
+        for i, o in self._encode(ids, missing, progress):
+            out[i] = len(o)
+        return [out[i] for i in range(len(texts))]
+
+    def _encode(
+        self, ids: Sequence[Sequence[int]], missing: Sequence[int], progress: bool
+    ) -> Iterator[tuple[int, TokenOutputs]]:
+        """Encode ``ids[i]`` for each ``i`` in ``missing``, yielding each after it is stored.
+
+        Chunks of documents, each written before the next is encoded: an interrupted encode
+        keeps what it finished, and a later call (or another process sharing the cache)
+        finds it.
+        """
         bar = None
         if progress and missing:
             from tqdm import tqdm
 
             total = sum(max(len(ids[i]) - 1, 0) for i in missing)
             bar = tqdm(total=total, unit="tok", desc="encode", smoothing=0.05)
-        for c in range(0, len(missing), self.chunk_docs):
-            part = missing[c : c + self.chunk_docs]
-            got = self.get_many([texts[i] for i in part])
-            for i, o in zip(part, got, strict=True):
-                out[i] = len(o)
+        try:
+            for c in range(0, len(missing), self.chunk_docs):
+                part = missing[c : c + self.chunk_docs]
+                t0 = time.perf_counter()
+                enc = self.encoder.encode_many([ids[i] for i in part], self.window)
+                self.encode_seconds += time.perf_counter() - t0
+                for i, o in zip(part, enc, strict=True):
+                    self.encoded_tokens += len(o)
+                    yield i, self._write(ids[i], o)
+                if bar is not None:
+                    bar.update(sum(len(o) for o in enc))
+        finally:
             if bar is not None:
-                bar.update(sum(len(o) for o in got))
-        if bar is not None:
-            bar.close()
-        return [out[i] for i in range(len(texts))]
+                bar.close()
 
     def _write(self, doc_ids: Sequence[int], o: TokenOutputs) -> TokenOutputs:
         """Store one document's outputs atomically (a temporary file per process)."""

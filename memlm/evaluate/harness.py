@@ -108,10 +108,7 @@ def _encode_shard(
     """Encode every ``shards``-th text from the ``shard``-th into the cache and stop: N
     processes of one thread each fill the cache side by side before the run itself."""
     mine = list(dict.fromkeys(texts))[shard::shards]  # a text repeated is encoded once
-    step = 256  # documents held in memory at a time
-    with tqdm(total=len(mine), unit="doc", desc=f"encode shard {shard}/{shards}") as bar:
-        for start in range(0, len(mine), step):
-            bar.update(len(cache.get_many(mine[start : start + step])))
+    cache.lengths(mine, progress=True)  # encodes what is missing, one chunk held at a time
     echo(
         f"shard {shard}/{shards}: {len(mine)} documents, encoded {cache.encoded_tokens} new "
         f"tokens in {cache.encode_seconds:.0f} s (rest cached)"
