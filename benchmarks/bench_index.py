@@ -12,6 +12,7 @@ search over the same keys.
     python benchmarks/bench_index.py --sizes 100000 --incremental 10000   # nightly vs retrain
     python benchmarks/bench_index.py --append --workdir /work         # durable appends
     python benchmarks/bench_index.py --f16 --k 1024                   # re-rank conversion
+    python benchmarks/bench_index.py --search-paths --sizes 300000 --threads 1  # PQ table, re-rank
     python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
@@ -294,6 +295,90 @@ def f16_conversion(args: argparse.Namespace) -> None:
         print(f"| {name} | {t * 1e3:.3f} | {t * 1e9 / x.size:.2f} | {base / t:.1f}x |")
 
 
+def _set_diff(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> float:
+    """Share of each row's neighbours not among the other's (order ignored)."""
+    return float(
+        np.mean([1 - len(np.intersect1d(x, y)) / len(x) for x, y in zip(a, b, strict=True)])
+    )
+
+
+def search_paths(args: argparse.Namespace) -> None:
+    """IVF-PQ search_values with and without the precomputed table (MEMLM_PQ_TABLE_MB)
+    and the broadcast re-rank (search.RERANK_BROADCAST), side by side and interleaved.
+
+    k = 64 is MoNIM's ingest search (the served k; 1,024 candidates re-ranked), k = 1,024
+    the held-out search (4,096 candidates).  Queries are news-like: data points plus noise,
+    searched in batches of --queries, as a document's tokens are.
+    """
+    import memlm.index.search as search_mod
+
+    configs = {  # name: (table MB, broadcast re-rank)
+        "baseline (no table, numpy re-rank)": ("0", False),
+        "precomputed table": ("4096", False),
+        "broadcast re-rank": ("0", True),
+        "both (default)": ("4096", True),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for n in (int(x) for x in args.sizes.split(",")):
+            _, chunks = make_keys(n, args.dim, args.clusters, seed=n)
+            ds = Datastore.open(Path(tmp) / f"ds-{n}", dim=args.dim)
+            for i, x in enumerate(chunks):
+                ds.append(x, np.zeros(len(x), np.int32), i, np.arange(len(x)), 0)
+            params = IndexParams.for_size(n, args.dim)
+            t0 = time.perf_counter()
+            build_index(ds, Path(tmp) / f"ix-{n}", params, progress=False)
+            build_s = time.perf_counter() - t0
+            rng = np.random.default_rng(n + 1)
+            data = np.concatenate(chunks)[rng.integers(0, n, 4 * args.queries)]
+            q = (data + rng.standard_normal(data.shape) * args.query_noise).astype(np.float32)
+            for k in (64, 1024):
+                best: dict[str, float] = {}
+                ids: dict[str, npt.NDArray[np.int64]] = {}
+                for _ in range(args.repeat):
+                    for name, (mb, broadcast) in configs.items():
+                        os.environ["MEMLM_PQ_TABLE_MB"] = mb
+                        search_mod.RERANK_BROADCAST = broadcast
+                        mem = MemoryIndex(ds, Path(tmp) / f"ix-{n}")
+                        mem.search_values(q[:8], k)  # warm the pages
+                        t = time.perf_counter()
+                        got = [
+                            mem.search_values(q[s : s + args.queries], k)[1]
+                            for s in range(0, len(q), args.queries)
+                        ]
+                        dt = time.perf_counter() - t
+                        best[name] = min(best.get(name, np.inf), dt)
+                        ids[name] = np.concatenate(got)
+                baseline = "baseline (no table, numpy re-rank)"
+                base = best[baseline]
+                for name in configs:
+                    rows.append(
+                        {
+                            "N": n,
+                            "nlist/m": f"{params.nlist}/{params.m}",
+                            "k": k,
+                            "path": name,
+                            "queries/s": round(len(q) / best[name]),
+                            "vs baseline": f"{base / best[name]:.2f}x",
+                            # float sums in another order can swap near-equal neighbours
+                            "ids moved": f"{(ids[name] != ids[baseline]).mean():.2%}",
+                            "sets differ": f"{_set_diff(ids[name], ids[baseline]):.3%}",
+                        }
+                    )
+            print(f"# N={n}: build {build_s:.0f} s, load-avg(1m)={os.getloadavg()[0]:.2f}")
+            ds.close()
+    os.environ.pop("MEMLM_PQ_TABLE_MB", None)
+    print(
+        f"# {len(q)} queries in batches of {args.queries}, best of {args.repeat}, "
+        f"threads={faiss.omp_get_max_threads()}, faiss={faiss.__version__}"
+    )
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r[c]) for c in cols) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="20000,100000", help="comma-separated N")
@@ -335,7 +420,15 @@ def main() -> None:
     ap.add_argument(
         "--f16", action="store_true", help="only time the float16 -> float32 re-rank conversion"
     )
-    ap.add_argument("--repeat", type=int, default=5, help="--f16: interleaved repetitions")
+    ap.add_argument(
+        "--search-paths",
+        action="store_true",
+        help="only time IVF-PQ search_values with/without the precomputed table and the "
+        "broadcast re-rank (k = 64 and 1024)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=5, help="--f16, --search-paths: interleaved repetitions"
+    )
     args = ap.parse_args()
     if args.f16:
         f16_conversion(args)
@@ -343,6 +436,12 @@ def main() -> None:
     threads = args.threads or int(os.environ.get("MEMLM_THREADS", "0")) or None
     if threads:
         faiss.omp_set_num_threads(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+    if args.search_paths:
+        search_paths(args)
+        return
     if args.crossover:
         crossover(args)
         return

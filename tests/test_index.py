@@ -186,6 +186,46 @@ def test_ivfpq_recall_and_rerank(tmp_path: Path) -> None:
     assert (np.diff(d_rr, axis=1) >= 0).all() and (np.diff(d_pq, axis=1) >= 0).all()
 
 
+def test_pq_table_and_broadcast_rerank_change_speed_not_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memlm.index.search as search_mod
+    from memlm.index.versions import pq_table_max_bytes
+
+    dim = 32
+    ds = Datastore.open(tmp_path / "ds", dim=dim)
+    n = 6000
+    keys = clustered(n, dim, 11)
+    ds.append(keys, np.zeros(n, np.int64), np.arange(n) % 7, np.zeros(n, np.int64), 0)
+    params = IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64)
+    build_index(ds, tmp_path / "ix", params, progress=False)
+    rng = np.random.default_rng(3)
+    q = (keys[rng.integers(0, n, 50)] + rng.standard_normal((50, dim)) * 0.5).astype(np.float32)
+
+    def searched() -> tuple[str, npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+        mem = MemoryIndex(ds, tmp_path / "ix")
+        built = mem._state.built
+        table = getattr(built, "use_precomputed_table", None)
+        d, i = mem.search(q, 10)
+        return str(table), d, i
+
+    monkeypatch.setenv("MEMLM_PQ_TABLE_MB", "0")
+    off, d0, i0 = searched()
+    monkeypatch.setenv("MEMLM_PQ_TABLE_MB", "1")  # 32 lists x 4 x 256 floats: 128 KiB
+    on, d1, i1 = searched()
+    assert (off, on) == ("-1", "1")
+    np.testing.assert_array_equal(i1, i0)
+    np.testing.assert_array_equal(d1, d0)
+    monkeypatch.setattr(search_mod, "RERANK_BROADCAST", False)  # numpy's general path
+    _, d2, i2 = searched()
+    np.testing.assert_array_equal(i2, i0)
+    np.testing.assert_allclose(d2, d0, rtol=1e-6)
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv("MEMLM_PQ_TABLE_MB", bad)
+        with pytest.raises(ValueError, match="MEMLM_PQ_TABLE_MB"):
+            pq_table_max_bytes()
+
+
 def test_versions_current_swap_and_prune(ds: Datastore, tmp_path: Path) -> None:
     root = tmp_path / "ix"
     fill(ds, 500, 13)

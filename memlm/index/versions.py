@@ -111,16 +111,47 @@ def remove_orphan_versions(root: Path, recorded: Collection[int]) -> list[int]:
     return orphans
 
 
-def read_index(path: Path) -> faiss.Index:
-    """Read an index file without IVF-PQ's precomputed distance table.
+# MEMLM_PQ_TABLE_MB: the largest IVF-PQ precomputed distance table a served index keeps.
+PQ_TABLE_MB_DEFAULT = 1024
 
-    faiss rebuilds that table on every read (nlist * m * 256 floats: 201 MB at 4096 lists
-    and 48-byte codes, 200 B per entry at 1M, more than the codes); without it a search
-    computes the tables of the lists it probes (~0.15 MFLOP each), the same results.
+
+def pq_table_max_bytes() -> int:
+    """The table budget in bytes, from ``MEMLM_PQ_TABLE_MB`` (0: never keep one)."""
+    raw = os.environ.get("MEMLM_PQ_TABLE_MB", "").strip()
+    try:
+        mb = int(raw) if raw else PQ_TABLE_MB_DEFAULT
+    except ValueError:
+        raise ValueError(f"MEMLM_PQ_TABLE_MB must be a whole number of MB, got {raw!r}") from None
+    if mb < 0:
+        raise ValueError(f"MEMLM_PQ_TABLE_MB must be >= 0, got {mb}")
+    return mb << 20
+
+
+def pq_table_bytes(index: faiss.Index) -> int:
+    """Bytes of IVF-PQ's precomputed distance table (nlist * m * 2^nbits floats); 0
+    for other indexes."""
+    if not isinstance(index, faiss.IndexIVFPQ):
+        return 0
+    return int(index.nlist) * int(index.pq.M) * int(index.pq.ksub) * 4
+
+
+def read_index(path: Path, table_max_bytes: int = 0) -> faiss.Index:
+    """Read an index file; keep IVF-PQ's precomputed distance table only if it fits in
+    ``table_max_bytes``.
+
+    The table is nlist * m * 256 floats: 201 MB at 4096 lists and 48-byte codes (200 B
+    per entry at 1M, more than the codes), 403 MB at 8192 lists.  Without it a search
+    computes the tables of the lists it probes (~0.15 MFLOP each): the same neighbours at
+    about twice the search time (`python benchmarks/bench_index.py --pq-table`).  An index
+    read to be extended (an incremental build) never needs it.
     """
     index = faiss.read_index(str(path), faiss.IO_FLAG_SKIP_PRECOMPUTE_TABLE)
     if isinstance(index, faiss.IndexIVFPQ):
-        index.use_precomputed_table = -1
+        size = pq_table_bytes(index)
+        use = index.by_residual and 0 < size <= table_max_bytes
+        index.use_precomputed_table = 1 if use else -1
+        if use:
+            index.precompute_table()
     return index
 
 
@@ -128,7 +159,7 @@ def load_version(root: Path, version: int) -> tuple[faiss.Index, BuildInfo]:
     """Read one version's index and metadata, checking that they agree."""
     vdir = Path(root) / version_name(version)
     info = BuildInfo.read(vdir)
-    index = read_index(vdir / INDEX_FILE)
+    index = read_index(vdir / INDEX_FILE, pq_table_max_bytes())
     if index.ntotal != info.entries or index.d != info.dim:
         raise IndexFormatError(
             f"{vdir}: index has {index.ntotal} x {index.d}, meta says {info.entries} x {info.dim}"
