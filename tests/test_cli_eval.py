@@ -172,13 +172,14 @@ def test_stream_options(captured: list[Any], tmp_path: Path) -> None:
     args = ["eval", "--out", str(tmp_path), "--resume", "--no-dedup", "--dev-share", "0.05"]
     args += ["--test-share", "0.04", "--forgetting", "fullmem", "--no-names"]
     args += ["--finetune-lr", "1e-5", "--ood-dir", str(tmp_path), "--ood-tokens", "100"]
-    args += ["--encode-shard", "1/2"]
+    args += ["--encode-shard", "1/2", "--merge", "runs/a", "--merge", "runs/b"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     (cfg,) = captured
     assert (cfg.resume, cfg.dedup, cfg.dev_share, cfg.test_share) == (True, False, 0.05, 0.04)
     assert (cfg.forgetting_policies, cfg.names, cfg.finetune_lr) == (("fullmem",), False, 1e-5)
     assert (cfg.ood_dir, cfg.ood_tokens, cfg.encode_shard) == (str(tmp_path), 100, (1, 2))
+    assert cfg.merge_from == ("runs/a", "runs/b")
 
 
 def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
@@ -193,6 +194,7 @@ def test_stream_defaults(captured: list[Any], tmp_path: Path) -> None:
         None,
     )
     assert cfg.forgetting_policies == ("fullmem", "monim") and cfg.encode_shard is None
+    assert cfg.merge_from == ()
 
 
 @pytest.mark.parametrize(

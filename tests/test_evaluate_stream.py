@@ -238,6 +238,39 @@ def test_an_interrupted_run_resumes_to_identical_numbers(tmp_path, enc, monkeypa
         )
 
 
+def test_policies_run_apart_merge_into_the_report_of_one_run(tmp_path, enc, monkeypatch):
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    docs = _stream()
+    whole = evaluate(_cfg(), docs, tmp_path / "whole", encoder=enc, echo=str)
+    rate = whole["results"]["monim"]["memrate"]
+    evaluate(_cfg(policies=("monim",)), docs, tmp_path / "a", encoder=enc, echo=str)
+    b = _cfg(policies=("fullmem", "randmem"), rand_rate=rate, crash_at=("randmem", 1))
+    with pytest.raises(SimulatedInterruption):  # B's RandMem stops half way
+        evaluate(b, docs, tmp_path / "b", encoder=enc, echo=str)
+    gc.collect()
+    evaluate(_cfg(policies=("monim",), delta=-2.0), docs, tmp_path / "c", encoder=enc, echo=str)
+    with pytest.raises(ResumeMismatch, match="other delta"):
+        evaluate(
+            _cfg(merge_from=(str(tmp_path / "a"), str(tmp_path / "c"))),
+            docs,
+            tmp_path / "bad",
+            encoder=enc,
+            echo=str,
+        )
+    said: list[str] = []
+    merged = evaluate(
+        _cfg(merge_from=(str(tmp_path / "a"), str(tmp_path / "b"))),
+        docs,
+        tmp_path / "merged",
+        encoder=enc,
+        echo=said.append,
+    )
+    assert any("--merge: randmem from" in s and "(2 of 4 days)" in s for s in said)
+    assert _numbers(merged) == _numbers(whole)  # RandMem's last two days ran here
+    with pytest.raises(ResumeMismatch, match="holds no run"):
+        evaluate(_cfg(merge_from=(str(tmp_path),)), docs, tmp_path / "m2", encoder=enc, echo=str)
+
+
 def test_encode_shards_fill_the_cache_the_run_then_reads(tmp_path, enc, monkeypatch):
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
     docs = _stream()
@@ -251,6 +284,23 @@ def test_encode_shards_fill_the_cache_the_run_then_reads(tmp_path, enc, monkeypa
     assert again["encoded_tokens"] == 0 and again["documents"] == shards[0]["documents"]
     report = evaluate(_cfg(), docs, tmp_path / "run", encoder=enc, echo=str)
     assert report["settings"]["encoded_tokens_this_run"] == 0  # the shards encoded it all
+
+
+def test_a_key_ce_encode_serves_a_run_without_monim_kl(tmp_path, enc, monkeypatch):
+    # --encode-shard with the default --policies (monim-kl among them) fills the key-CE
+    # cache; `--policies fullmem` afterwards must read it, not encode everything again
+    docs = _stream(days=2)
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "own"))
+    own = evaluate(_cfg(), docs, tmp_path / "own-run", encoder=enc, echo=str)
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "kce"))
+    shard = _cfg(policies=("monim-kl",), encode_shard=(0, 1))
+    try:
+        assert evaluate(shard, docs, tmp_path / "shard", encoder=enc, echo=str)["encoded_tokens"]
+    finally:
+        enc.compute_key_ce = False  # evaluate turns it on for MoNIM(KL) on the shared encoder
+    served = evaluate(_cfg(), docs, tmp_path / "run", encoder=enc, echo=str)
+    assert served["settings"]["encoded_tokens_this_run"] == 0
+    assert _numbers(served) == _numbers(own)  # the key-CE pass changes no other output
 
 
 def test_the_finetuned_model_is_scored_out_of_domain_after_the_stream(tmp_path, enc, monkeypatch):

@@ -91,6 +91,13 @@ def eval_command(
     resume: bool = typer.Option(
         False, help="go on from each policy's last finished day in OUT/work (nothing re-encodes)"
     ),
+    merge: list[Path] = typer.Option(
+        [],
+        "--merge",
+        help="an earlier OUT of this same run with other --policies (repeatable): copy its "
+        "policies' checkpoints in first, then go on as --resume (one process per core, "
+        "one report)",
+    ),
     forgetting: str = typer.Option(
         "fullmem,monim", help="policies whose test sets are re-scored at every month's end"
     ),
@@ -228,6 +235,7 @@ def eval_command(
         test_share=test_share,
         dedup=dedup,
         resume=resume,
+        merge_from=tuple(str(m) for m in merge),
         forgetting_policies=tuple(p.strip() for p in forgetting.split(",") if p.strip()),
         names=names,
         finetune_lr=finetune_lr,
@@ -247,7 +255,7 @@ def eval_command(
     except SplitError as exc:
         raise typer.BadParameter(str(exc), param_hint="--split") from exc
     except ResumeMismatch as exc:
-        raise typer.BadParameter(str(exc), param_hint="--resume") from exc
+        raise typer.BadParameter(str(exc), param_hint="--resume / --merge") from exc
     except OodError as exc:
         raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
     if shard is not None:

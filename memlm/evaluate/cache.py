@@ -51,6 +51,9 @@ class TokenCache:
             root or cache_dir() / "encoded"
         ) / f"{slug}-c{window.context}-s{window.stride}-k32"
         self.root.mkdir(parents=True, exist_ok=True)
+        # Read-only roots searched after ``root``: e.g. a key-CE cache (the same outputs
+        # plus key_ce) serves a run that does not need key_ce.
+        self.also: list[Path] = []
         self.chunk_docs = CHUNK_DOCS
         self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
         self.encode_seconds = 0.0
@@ -59,13 +62,21 @@ class TokenCache:
         h = hashlib.sha1(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()[:20]
         return self.root / f"{h}.npz"
 
+    def _find(self, ids: Sequence[int]) -> Path | None:
+        """The cached file of these token ids, in ``root`` or else in ``also``."""
+        p = self._path(ids)
+        for root in (self.root, *self.also):
+            if (root / p.name).exists():
+                return root / p.name
+        return None
+
     def get_many(self, texts: Sequence[str], progress: bool = False) -> list[TokenOutputs]:
         ids = [self.encoder.tokenize(t) for t in texts]
         out: dict[int, TokenOutputs] = {}
         missing = []
         for i, doc_ids in enumerate(ids):
-            p = self._path(doc_ids)
-            if p.exists():
+            p = self._find(doc_ids)
+            if p is not None:
                 with np.load(p) as z:
                     arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
                 if arrays["keys"].dtype != np.float32:  # not written by this version
@@ -91,8 +102,8 @@ class TokenCache:
         out: dict[int, int] = {}
         missing = []
         for i, doc_ids in enumerate(ids):
-            p = self._path(doc_ids)
-            if p.exists():
+            p = self._find(doc_ids)
+            if p is not None:
                 with zipfile.ZipFile(p) as zf:  # array headers only, no data
                     if _header(zf, "keys")[2] == np.float32:
                         out[i] = int(_header(zf, "targets")[0][0])

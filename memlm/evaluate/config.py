@@ -51,6 +51,9 @@ class EvalConfig:
     near_dup_threshold: float = NEAR_THRESHOLD
     eval_overlap_threshold: float = EVAL_THRESHOLD
     resume: bool = False  # go on from each policy's last checkpointed day
+    # --merge: earlier outputs of this run (other --policies) whose checkpoints are copied
+    # in first; implies resume
+    merge_from: tuple[str, ...] = ()
     # month-end re-scores of every test set (learning and forgetting), for these policies
     forgetting_policies: tuple[str, ...] = ("fullmem", "monim")
     names: bool = True  # name-token accuracy and perplexity (memlm.evaluate.names)

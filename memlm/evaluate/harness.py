@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from memlm.corpus import Document
 from memlm.encoder import Encoder
+from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
@@ -87,19 +88,69 @@ class ResumeMismatch(ValueError):
     """--resume into a directory whose run had other settings or another plan."""
 
 
+# Settings that do not change what a policy's checkpoints hold.
+_NOT_IDENTITY = {"resume", "crash_at", "keep_stores", "threads", "encode_shard", "merge_from"}
+# ...and those that may differ between runs merged into one report (--merge).
+_MERGEABLE = {"policies", "rand_rate"}
+
+
+def _identity(cfg: EvalConfig, plans: Sequence[DayPlan]) -> dict[str, str]:
+    what = {k: repr(v) for k, v in vars(cfg).items() if k not in _NOT_IDENTITY}
+    what["plan"] = repr(split_of(plans))
+    return what
+
+
 def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> None:
     """Record what the run is; a resumed run must be the same run."""
-    skip = {"resume", "crash_at", "keep_stores", "threads", "encode_shard"}
-    what = {k: repr(v) for k, v in vars(cfg).items() if k not in skip}
-    what["plan"] = repr(split_of(plans))
+    what = _identity(cfg, plans)
     path = workroot / "run.json"
-    if cfg.resume and path.exists():
+    if (cfg.resume or cfg.merge_from) and path.exists():
         before = json.loads(path.read_text())
         diff = sorted(k for k in set(before) | set(what) if before.get(k) != what.get(k))
         if diff:
             raise ResumeMismatch(f"--resume: {workroot} holds a run with other {', '.join(diff)}")
     workroot.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(what, indent=1))
+
+
+def _merge(
+    cfg: EvalConfig,
+    plans: Sequence[DayPlan],
+    workroot: Path,
+    names: Sequence[str],
+    echo: Callable[[str], None],
+) -> None:
+    """Copy each policy's checkpoint from the ``--merge`` outputs into ``workroot``.
+
+    The sources are earlier outputs of the same run (same plan and settings) that ran
+    other ``--policies``, e.g. one process per core.  For each policy the checkpoint with
+    the most finished days wins, this run's own included; an unfinished one resumes here.
+    """
+    what = _identity(cfg, plans)
+    best: dict[str, tuple[int, Path]] = {}
+    for name in names:
+        own = checkpoint.load(workroot / name)
+        best[name] = (len(own.days) if own else -1, workroot / name)
+    for src in map(Path, cfg.merge_from):
+        run_json = src / "work" / "run.json"
+        if not run_json.exists():
+            raise ResumeMismatch(f"--merge: {src} holds no run (no work/run.json)")
+        theirs = json.loads(run_json.read_text())
+        diff = sorted(
+            k for k in (set(theirs) | set(what)) - _MERGEABLE if theirs.get(k) != what.get(k)
+        )
+        if diff:
+            raise ResumeMismatch(f"--merge: {src} holds a run with other {', '.join(diff)}")
+        for name in names:
+            state = checkpoint.load(src / "work" / name)
+            if state is not None and len(state.days) > best[name][0]:
+                best[name] = (len(state.days), src / "work" / name)
+    for name, (days, path) in best.items():
+        if path == workroot / name or days < 0:
+            continue
+        shutil.rmtree(workroot / name, ignore_errors=True)
+        shutil.copytree(path, workroot / name)
+        echo(f"--merge: {name} from {path} ({days} of {len(plans)} days)")
 
 
 def _encode_shard(
@@ -138,9 +189,12 @@ def evaluate(
     plans, leakage = _plan(cfg, docs, echo)
     (out / "split.json").write_text(json.dumps(split_of(plans), indent=1))
     cache = TokenCache(encoder, cfg.window, root=None)
+    kce = cache.root.with_name(cache.root.name + "-kce")
     if encoder.compute_key_ce:
-        cache.root = cache.root.with_name(cache.root.name + "-kce")
+        cache.root = kce
         cache.root.mkdir(parents=True, exist_ok=True)
+    else:  # a key-CE encode (the default --policies include monim-kl) serves this run too
+        cache.also.append(kce)
     n_train = sum(len(p.train) for p in plans)
     echo(
         f"{len(plans)} days, {n_train} ingested documents, "
@@ -164,6 +218,8 @@ def evaluate(
     unknown = set(cfg.policies) - set(order) - {"bare"}
     if unknown:
         raise ValueError(f"unknown policies: {sorted(unknown)}")
+    if cfg.merge_from:
+        _merge(cfg, plans, out / "work", ["bare", *order], echo)
     runs: dict[str, PolicyRun] = {}
     seconds: dict[str, float] = {}
     workroot = out / "work"
@@ -195,7 +251,7 @@ def evaluate(
                 lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
             ),
             on_day=lambda d: bar.update(d.tokens_seen),
-            resume=cfg.resume,
+            resume=cfg.resume or bool(cfg.merge_from),
             rescore=rescore if name in cfg.forgetting_policies else None,
             crash_at=cfg.crash_at[1] if cfg.crash_at and cfg.crash_at[0] == name else None,
             ood=ood,
