@@ -99,7 +99,9 @@ def test_flat_incremental_removes_forgotten_and_adds_appended(ds: Datastore, tmp
     assert info.record()["mode"] == "incremental" and "remove_seconds" in info.record()
 
 
-def test_ivfpq_incremental_keeps_the_trained_quantizer(ds: Datastore, tmp_path: Path):
+def test_ivfpq_incremental_keeps_the_trained_quantizer(
+    ds: Datastore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     root = tmp_path / "ix"
     append(ds, 2000, 4, (0, 20))
     full = build_index(ds, root, PQ, progress=False)
@@ -117,7 +119,9 @@ def test_ivfpq_incremental_keeps_the_trained_quantizer(ds: Datastore, tmp_path: 
     np.testing.assert_array_equal(
         faiss.vector_to_array(a.pq.centroids), faiss.vector_to_array(b.pq.centroids)
     )
-    assert b.use_precomputed_table == -1  # no nlist*m*256 table in RAM
+    assert b.use_precomputed_table == 1  # served, the nlist*m*256 table fits the budget
+    monkeypatch.setenv("MEMLM_PQ_TABLE_MB", "0")
+    assert load_version(root, info.version)[0].use_precomputed_table == -1  # none in RAM
     live = np.arange(len(ds))[ds.live_mask(np.arange(len(ds)))]
     np.testing.assert_array_equal(indexed_ids(root, info.version), live)
     mem = MemoryIndex(ds, root)
