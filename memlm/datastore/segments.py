@@ -205,7 +205,7 @@ class _Segments:
                 # ns per 576-dim float16 row, random rows in the page cache)
                 src = np.asarray(self._segment_maps(seg)[column])
                 if len(parts) == 1:  # one segment, the usual case: no second copy
-                    return np.take(src, rows, axis=0)  # type: ignore[no-any-return]
+                    return np.take(src, rows, axis=0)
                 out[sel] = np.take(src, rows, axis=0)
             return out
 
