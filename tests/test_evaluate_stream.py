@@ -294,10 +294,12 @@ def test_a_key_ce_encode_serves_a_run_without_monim_kl(tmp_path, enc, monkeypatc
     own = evaluate(_cfg(), docs, tmp_path / "own-run", encoder=enc, echo=str)
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "kce"))
     shard = _cfg(policies=("monim-kl",), encode_shard=(0, 1))
-    try:
-        assert evaluate(shard, docs, tmp_path / "shard", encoder=enc, echo=str)["encoded_tokens"]
-    finally:
-        enc.compute_key_ce = False  # evaluate turns it on for MoNIM(KL) on the shared encoder
+    assert evaluate(shard, docs, tmp_path / "shard", encoder=enc, echo=str)["encoded_tokens"]
+    assert enc.compute_key_ce is False  # turned on for MoNIM(KL) during the run only
+    (cached,) = {f.parent for f in (tmp_path / "kce").rglob("*.npz")}
+    assert cached.name.endswith("-kce")
+    with np.load(next(cached.glob("*.npz"))) as z:
+        assert np.isfinite(z["key_ce"]).all()  # computed, not NaN
     served = evaluate(_cfg(), docs, tmp_path / "run", encoder=enc, echo=str)
     assert served["settings"]["encoded_tokens_this_run"] == 0
     assert _numbers(served) == _numbers(own)  # the key-CE pass changes no other output

@@ -181,11 +181,24 @@ def evaluate(
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every policy over the stream slice and write report.json, report.md and plots."""
+    encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
+    before = encoder.compute_key_ce
+    try:  # MoNIM(KL) needs the key cross-entropy; the caller's encoder is left as it was
+        encoder.compute_key_ce = before or "monim-kl" in cfg.policies
+        return _evaluate(cfg, docs, out, encoder, echo)
+    finally:
+        encoder.compute_key_ce = before
+
+
+def _evaluate(
+    cfg: EvalConfig,
+    docs: Sequence[Document],
+    out: Path,
+    encoder: Encoder,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    encoder = encoder or Encoder.load(cfg.model, threads=cfg.threads)
-    if "monim-kl" in cfg.policies:
-        encoder.compute_key_ce = True
     plans, leakage = _plan(cfg, docs, echo)
     (out / "split.json").write_text(json.dumps(split_of(plans), indent=1))
     cache = TokenCache(encoder, cfg.window, root=None)
