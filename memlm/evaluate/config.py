@@ -66,6 +66,11 @@ class EvalConfig:
     encode_shard: tuple[int, int] | None = None
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 
+    @property
+    def resuming(self) -> bool:
+        """Going on from checkpoints: ``--resume``, or ``--merge`` (which implies it)."""
+        return self.resume or bool(self.merge_from)
+
 
 def fixed_grid(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
     """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""

@@ -104,7 +104,7 @@ def _check_resume(cfg: EvalConfig, plans: Sequence[DayPlan], workroot: Path) -> 
     """Record what the run is; a resumed run must be the same run."""
     what = _identity(cfg, plans)
     path = workroot / "run.json"
-    if (cfg.resume or cfg.merge_from) and path.exists():
+    if cfg.resuming and path.exists():
         before = json.loads(path.read_text())
         diff = sorted(k for k in set(before) | set(what) if before.get(k) != what.get(k))
         if diff:
@@ -264,7 +264,7 @@ def _evaluate(
                 lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
             ),
             on_day=lambda d: bar.update(d.tokens_seen),
-            resume=cfg.resume or bool(cfg.merge_from),
+            resume=cfg.resuming,
             rescore=rescore if name in cfg.forgetting_policies else None,
             crash_at=cfg.crash_at[1] if cfg.crash_at and cfg.crash_at[0] == name else None,
             ood=ood,

@@ -33,7 +33,7 @@ from memlm.index.versions import current_version, load_version
 
 # Re-rank full candidate lists (every id live) with one broadcast subtraction in torch,
 # ~2.5x faster than numpy's per-candidate query copy (`python benchmarks/bench_index.py
-# --rerank`, which switches it off for the baseline).
+# --search-paths`, which switches it off for its baseline rows).
 RERANK_BROADCAST = True
 
 # Flat searches with at least this many queries in one call go through BLAS: below it
