@@ -13,6 +13,7 @@ search over the same keys.
     python benchmarks/bench_index.py --append --workdir /work         # durable appends
     python benchmarks/bench_index.py --f16 --k 1024                   # re-rank conversion
     python benchmarks/bench_index.py --search-paths --sizes 300000 --threads 1  # PQ table, re-rank
+    python benchmarks/bench_index.py --gather --sizes 300000 --k 768 --repeat 3   # key rows
     python benchmarks/bench_index.py --keys-npz ~/.cache/memlm/bench-keys \
         --encode-news 110000 --sizes 20000,100000                     # real SmolLM2 keys
 
@@ -295,6 +296,38 @@ def f16_conversion(args: argparse.Namespace) -> None:
         print(f"| {name} | {t * 1e3:.3f} | {t * 1e9 / x.size:.2f} | {base / t:.1f}x |")
 
 
+def gather(args: argparse.Namespace) -> None:
+    """Random key rows from a datastore segment: a memmap's fancy indexing (before) against
+    ``np.take`` (Datastore.keys now), interleaved, 4 x --k rows a call as one re-rank block."""
+    n = int(args.sizes.split(",")[-1])
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        ds = Datastore.open(Path(tmp) / "ds", dim=args.dim)
+        for i, x in enumerate(make_keys(n, args.dim, args.clusters, seed=n)[1]):
+            ds.append(x, np.zeros(len(x), np.int32), i, np.arange(len(x)), 0)
+        keys = ds._segment_maps(0)["keys"]  # one segment: the memmap the gather reads
+        rng = np.random.default_rng(0)
+        batches = [rng.integers(0, len(keys), 4 * args.k) for _ in range(200)]
+        ways = {
+            "memmap fancy indexing (before)": lambda ids: keys[ids],
+            "np.take (Datastore.keys)": lambda ids: np.take(np.asarray(keys), ids, axis=0),
+        }
+        best = {name: float("inf") for name in ways}
+        for _ in range(args.repeat):
+            for name, f in ways.items():
+                t0 = time.perf_counter()
+                for ids in batches:
+                    f(ids)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        ds.close()
+    rows = len(batches) * 4 * args.k
+    print(f"# N={n} x {args.dim} float16, {rows} random rows, best of {args.repeat}")
+    base = best["memmap fancy indexing (before)"]
+    print("| gather | ns per row | speed-up |")
+    print("|---|---:|---:|")
+    for name, t in best.items():
+        print(f"| {name} | {t * 1e9 / rows:.0f} | {base / t:.2f}x |")
+
+
 def _set_diff(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> float:
     """Share of each row's neighbours not among the other's (order ignored)."""
     return float(
@@ -427,7 +460,15 @@ def main() -> None:
         "broadcast re-rank (k = 64 and 1024)",
     )
     ap.add_argument(
-        "--repeat", type=int, default=5, help="--f16, --search-paths: interleaved repetitions"
+        "--gather",
+        action="store_true",
+        help="only time random key-row gathers: memmap fancy indexing vs np.take",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="--f16, --search-paths, --gather: interleaved repetitions",
     )
     args = ap.parse_args()
     if args.f16:
@@ -441,6 +482,9 @@ def main() -> None:
         torch.set_num_threads(threads)
     if args.search_paths:
         search_paths(args)
+        return
+    if args.gather:
+        gather(args)
         return
     if args.crossover:
         crossover(args)

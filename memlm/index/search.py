@@ -32,8 +32,8 @@ from memlm.index.params import f16_to_f32 as _f16_to_f32
 from memlm.index.versions import current_version, load_version
 
 # Re-rank full candidate lists (every id live) with one broadcast subtraction in torch,
-# ~2.5x faster than numpy's per-candidate query copy (`python benchmarks/bench_index.py
-# --search-paths`, which switches it off for its baseline rows).
+# not numpy's per-candidate query copy: search_values 1.12-1.34x faster (`python
+# benchmarks/bench_index.py --search-paths`, which switches it off for its baseline rows).
 RERANK_BROADCAST = True
 
 # Flat searches with at least this many queries in one call go through BLAS: below it

@@ -142,7 +142,7 @@ def read_index(path: Path, table_max_bytes: int = 0) -> faiss.Index:
     The table is nlist * m * 256 floats: 201 MB at 4096 lists and 48-byte codes (200 B
     per entry at 1M, more than the codes), 403 MB at 8192 lists.  Without it a search
     computes the tables of the lists it probes (~0.15 MFLOP each): the same neighbours at
-    about 1.1-1.7x the search time (`python benchmarks/bench_index.py --search-paths`).  An index
+    1.10-1.43x the search time (`python benchmarks/bench_index.py --search-paths`).  An index
     read to be extended (an incremental build) never needs it.
     """
     index = faiss.read_index(str(path), faiss.IO_FLAG_SKIP_PRECOMPUTE_TABLE)
