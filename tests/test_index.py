@@ -385,6 +385,50 @@ def test_searches_during_refresh(ds: Datastore, tmp_path: Path) -> None:
     np.testing.assert_array_equal(mem.search(q, 5)[1], brute_force(ds, q, 5)[1])
 
 
+def test_searches_while_versions_with_pq_tables_swap_match_an_oracle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each reload builds the next version's precomputed table while 3 threads search the
+    # served one; every answer must equal the single-threaded answer without a table
+    dim, n = 32, 6000
+    ds = Datastore.open(tmp_path / "ds", dim=dim)
+    keys = clustered(n, dim, 31)
+    ds.append(keys, np.zeros(n, np.int64), np.arange(n) % 7, np.zeros(n, np.int64), 0)
+    params = IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64)
+    build_index(ds, tmp_path / "ix", params, progress=False)
+    rng = np.random.default_rng(32)
+    q = (keys[rng.integers(0, n, 40)] + rng.standard_normal((40, dim)) * 0.5).astype(np.float32)
+    monkeypatch.setenv("MEMLM_PQ_TABLE_MB", "0")
+    oracle_d, oracle_i = MemoryIndex(ds, tmp_path / "ix").search(q, 10)
+    monkeypatch.delenv("MEMLM_PQ_TABLE_MB")
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    assert mem._state.built.use_precomputed_table == 1
+    errors: list[BaseException] = []
+    searches = [0]
+    stop = threading.Event()
+
+    def searcher(rows: slice) -> None:
+        try:
+            while not stop.is_set():
+                d, i = mem.search(q[rows], 10)
+                np.testing.assert_array_equal(i, oracle_i[rows])
+                np.testing.assert_array_equal(d, oracle_d[rows])
+                searches[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=searcher, args=(slice(j, 40, 3),)) for j in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(5):  # incremental builds of unchanged data: same neighbours, new version
+        build_index(ds, tmp_path / "ix", progress=False)
+        assert mem.reload() is True
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == [] and searches[0] > 0 and mem.version == 6
+
+
 def test_for_size() -> None:
     assert IndexParams.for_size(49_999, 576) == IndexParams.exact()
     assert IndexParams.exact().kind == "flat"
