@@ -118,6 +118,13 @@ def eval_command(
         help="I/N: only encode shard I (0-based) of N of the run's texts into the token cache "
         "and stop; N such processes of one thread each, then the same command without it",
     ),
+    follow_encode: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="SECONDS: --encode-shard processes run beside this one; wait up to SECONDS for "
+        "each document they have not written yet instead of encoding it (the policies follow "
+        "the encode day by day: one core encodes while another ingests)",
+    ),
     precision: str = typer.Option(
         "auto",
         envvar="MEMLM_PRECISION",
@@ -242,6 +249,7 @@ def eval_command(
         ood_dir=None if ood_dir is None else str(ood_dir),
         ood_tokens=ood_tokens,
         encode_shard=shard,
+        follow_encode=follow_encode,
     )
     from memlm.encoder import Encoder, EncoderError
 

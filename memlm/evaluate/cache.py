@@ -57,6 +57,11 @@ class TokenCache:
         self.chunk_docs = CHUNK_DOCS
         self.encoded_tokens = 0  # tokens encoded by this process (not found in the cache)
         self.encode_seconds = 0.0
+        # Follow another process's encode (``--encode-shard`` beside the run) instead of
+        # encoding: wait up to ``follow`` seconds for each missing document to appear.
+        self.follow: float | None = None
+        self.poll_seconds = 0.5
+        self.wait_seconds = 0.0  # time spent waiting for those documents
 
     def _path(self, ids: Sequence[int]) -> Path:
         h = hashlib.sha1(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()[:20]
@@ -75,21 +80,47 @@ class TokenCache:
         out: dict[int, TokenOutputs] = {}
         missing = []
         for i, doc_ids in enumerate(ids):
-            p = self._find(doc_ids)
-            if p is not None:
-                with np.load(p) as z:
-                    arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
-                if arrays["keys"].dtype != np.float32:  # not written by this version
-                    missing.append(i)
-                    continue
-                pos = arrays["positions"]
-                arrays["prev_tokens"] = np.asarray(doc_ids, np.int64)[pos - 1]
-                out[i] = TokenOutputs(**arrays)
-            else:
+            o = self._load(doc_ids)
+            if o is None:
                 missing.append(i)
-        for i, o in self._encode(ids, missing, progress):
-            out[i] = o
+            else:
+                out[i] = o
+        if self.follow is not None:
+            for i in missing:
+                out[i] = self._await(ids[i], self.follow)
+        else:
+            for i, o in self._encode(ids, missing, progress):
+                out[i] = o
         return [out[i] for i in range(len(texts))]
+
+    def _load(self, doc_ids: Sequence[int]) -> TokenOutputs | None:
+        """The cached outputs of these token ids, or None if none written by this version."""
+        p = self._find(doc_ids)
+        if p is None:
+            return None
+        with np.load(p) as z:
+            arrays = {f.name: z[f.name] for f in fields(TokenOutputs) if f.name in z}
+        if arrays["keys"].dtype != np.float32:  # not written by this version
+            return None
+        pos = arrays["positions"]
+        arrays["prev_tokens"] = np.asarray(doc_ids, np.int64)[pos - 1]
+        return TokenOutputs(**arrays)
+
+    def _await(self, doc_ids: Sequence[int], timeout: float) -> TokenOutputs:
+        """Wait for another process to write this document (files appear atomically)."""
+        t0 = time.perf_counter()
+        try:
+            while (o := self._load(doc_ids)) is None:
+                if time.perf_counter() - t0 > timeout:
+                    raise TimeoutError(
+                        f"--follow-encode: a document of {len(doc_ids)} tokens did not appear "
+                        f"in {self.root} within {timeout:.0f} s; is an --encode-shard process "
+                        "with the same settings running?"
+                    )
+                time.sleep(self.poll_seconds)
+            return o
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def lengths(self, texts: Sequence[str], progress: bool = False) -> list[int]:
         """Each text's scored-token count, encoding what the cache lacks on the way.
@@ -109,6 +140,9 @@ class TokenCache:
                         out[i] = int(_header(zf, "targets")[0][0])
                         continue
             missing.append(i)
+        if self.follow is not None:  # another process encodes: each scores n - 1 targets
+            out.update((i, max(len(ids[i]) - 1, 0)) for i in missing)
+            return [out[i] for i in range(len(texts))]
         for i, o in self._encode(ids, missing, progress):
             out[i] = len(o)
         return [out[i] for i in range(len(texts))]

@@ -64,6 +64,9 @@ class EvalConfig:
     crash_at: tuple[str, int] | None = None  # tests: interrupt policy after day index
     # --encode-shard I/N: only encode every N-th of the run's texts from the I-th, then stop
     encode_shard: tuple[int, int] | None = None
+    # --follow-encode SECONDS: --encode-shard processes fill the cache beside this run; wait
+    # up to SECONDS for each document they have not written yet instead of encoding it
+    follow_encode: float | None = None
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
 
     @property

@@ -158,6 +158,7 @@ def timing(
             "seconds": round(cache.encode_seconds, 1),
             "tokens": cache.encoded_tokens,
             "tokens_per_s": rate(cache.encoded_tokens, cache.encode_seconds),
+            "wait_seconds": round(cache.wait_seconds, 1),
         }
     }
     for name, run in runs.items():
@@ -173,6 +174,7 @@ def timing(
             "build_seconds": round(sum(d.build_seconds for d in run.days), 1),
             "held_out_search_seconds": round(search, 1),
             "held_out_tokens_per_s": rate(held_out, search),
+            "encode_wait_seconds": round(sum(d.wait_seconds for d in run.days), 1),
         }
     out["report_seconds"] = round(report_s, 1)
     return out

@@ -89,7 +89,15 @@ class ResumeMismatch(ValueError):
 
 
 # Settings that do not change what a policy's checkpoints hold.
-_NOT_IDENTITY = {"resume", "crash_at", "keep_stores", "threads", "encode_shard", "merge_from"}
+_NOT_IDENTITY = {
+    "resume",
+    "crash_at",
+    "keep_stores",
+    "threads",
+    "encode_shard",
+    "merge_from",
+    "follow_encode",
+}
 # ...and those that may differ between runs merged into one report (--merge).
 _MERGEABLE = {"policies", "rand_rate"}
 
@@ -221,6 +229,7 @@ def _evaluate(
     all_texts += [d.text for docs in (ood or {}).values() for d in docs]
     if cfg.encode_shard is not None:
         return _encode_shard(cache, all_texts, *cfg.encode_shard, echo=echo)
+    cache.follow = cfg.follow_encode
     lengths = dict(zip(all_texts, cache.lengths(all_texts, progress=True), strict=True))
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
@@ -242,6 +251,9 @@ def _evaluate(
         replace(grid, ks=tuple(k for k in grid.ks if k <= cfg.k_max) or (cfg.k_max,)),
     )
     names = ["bare", *order]
+    if cfg.follow_encode is not None:
+        # bare only reads; run last, it never holds a memory policy back to the encode's pace
+        names = [*order, "bare"]
     day_tokens = sum(lengths[d.text] for p in plans for d in p.train)
     bar = tqdm(total=day_tokens * len(names), unit="tok", desc="policies", smoothing=0.05)
     for name in names:
@@ -280,6 +292,7 @@ def _evaluate(
             for part in ("datastore", "index"):
                 shutil.rmtree(workroot / name / part, ignore_errors=True)
     bar.close()
+    runs = {name: runs[name] for name in ("bare", *order)}  # report order
 
     t_report = time.perf_counter()
     report, scores = build_report(cfg, plans, runs, time.perf_counter() - t_start, cache)

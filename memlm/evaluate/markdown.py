@@ -113,7 +113,13 @@ def sections(report: dict[str, Any]) -> list[str]:
             "",
             f"Wall time: encoding {e['seconds']} s for {e['tokens']} new tokens "
             f"({_fmt(e['tokens_per_s'], '.0f')} tokens/s; the rest came from the cache); "
-            f"report (tuning, calibrator, bootstrap, names) {t['report_seconds']} s.",
+            f"report (tuning, calibrator, bootstrap, names) {t['report_seconds']} s."
+            + (
+                f" Waited {e['wait_seconds']} s for --encode-shard processes (not in the "
+                "phases below)."
+                if e.get("wait_seconds")
+                else ""
+            ),
             "",
             "| policy | total s | ingest s | ingest tokens/s | builds s | held-out search s |",
             "|---|---:|---:|---:|---:|---:|",

@@ -86,6 +86,8 @@ class DayStats:
     ingest_seconds: float = 0.0
     build_seconds: float = 0.0
     search_seconds: float = 0.0
+    # waiting for another process's encode (--follow-encode); not in the phases above
+    wait_seconds: float = 0.0
 
 
 @dataclass
