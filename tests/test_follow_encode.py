@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from test_evaluate_stream import _cfg, _numbers, _stream
 
 from memlm.encoder import Encoder
 from memlm.evaluate import evaluate
+from memlm.evaluate.cache import TokenCache
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,27 @@ def test_following_an_encode_that_is_not_running_fails_clearly(tmp_path, enc, mo
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(TimeoutError, match="--follow-encode.*--encode-shard"):
         evaluate(_cfg(follow_encode=0.3), _stream(days=1), tmp_path / "run", encoder=enc, echo=str)
+
+
+def test_the_encode_writes_every_test_set_first_then_the_stream_day_by_day(
+    tmp_path, enc, monkeypatch
+):
+    # A run following the encode re-scores every month's test set at the first month's end
+    # (forgetting), so the test sets must not wait for the encode's last day.
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    written: list[tuple[int, ...]] = []
+    orig = TokenCache._write
+
+    def spy(self, doc_ids, o):
+        written.append(tuple(doc_ids))
+        return orig(self, doc_ids, o)
+
+    monkeypatch.setattr(TokenCache, "_write", spy)
+    docs = _stream()
+    evaluate(_cfg(encode_shard=(0, 1)), docs, tmp_path / "enc", encoder=enc, echo=str)
+    plan = json.loads((tmp_path / "enc" / "split.json").read_text())
+    by_id = {d.id: tuple(enc.tokenize(d.text)) for d in docs}
+    test_ids = {by_id[i] for i in plan["test"]}
+    assert test_ids and set(written[: len(test_ids)]) == test_ids
+    memory = [by_id[i] for i in plan["memory"]]
+    assert [w for w in written if w in set(memory)] == memory  # the stream in order

@@ -224,8 +224,12 @@ def _evaluate(
     ood = None
     if cfg.ood_dir is not None and plans:
         ood = load_ood(Path(cfg.ood_dir), encoder, cfg.ood_tokens, plans[-1].day)
-    # Encode everything once (cached across runs), with a progress bar.
-    all_texts = [d.text for p in plans for d in (*p.train, *p.dev, *p.test)]
+    # Encode everything once (cached across runs), with a progress bar. Every test set comes
+    # first: the month-end re-scoring (forgetting) reads them all, so a run that follows
+    # --encode-shard processes (--follow-encode) could not pass the first month's end before
+    # the encode's last day. Then the stream in order, day by day, and out of domain last.
+    all_texts = [d.text for p in plans for d in p.test]
+    all_texts += [d.text for p in plans for d in (*p.train, *p.dev)]
     all_texts += [d.text for docs in (ood or {}).values() for d in docs]
     if cfg.encode_shard is not None:
         return _encode_shard(cache, all_texts, *cfg.encode_shard, echo=echo)
