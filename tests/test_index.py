@@ -186,21 +186,29 @@ def test_ivfpq_recall_and_rerank(tmp_path: Path) -> None:
     assert (np.diff(d_rr, axis=1) >= 0).all() and (np.diff(d_pq, axis=1) >= 0).all()
 
 
+def small_ivfpq(
+    tmp_path: Path, key_seed: int, query_seed: int, nq: int
+) -> tuple[Datastore, npt.NDArray[np.float32]]:
+    """6,000 clustered keys of dim 32 under a small IVF-PQ index in ``tmp_path / "ix"``, and
+    ``nq`` noisy queries near them."""
+    dim, n = 32, 6000
+    ds = Datastore.open(tmp_path / "ds", dim=dim)
+    keys = clustered(n, dim, key_seed)
+    ds.append(keys, np.zeros(n, np.int64), np.arange(n) % 7, np.zeros(n, np.int64), 0)
+    params = IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64)
+    build_index(ds, tmp_path / "ix", params, progress=False)
+    rng = np.random.default_rng(query_seed)
+    q = (keys[rng.integers(0, n, nq)] + rng.standard_normal((nq, dim)) * 0.5).astype(np.float32)
+    return ds, q
+
+
 def test_pq_table_and_broadcast_rerank_change_speed_not_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import memlm.index.search as search_mod
     from memlm.index.versions import pq_table_max_bytes
 
-    dim = 32
-    ds = Datastore.open(tmp_path / "ds", dim=dim)
-    n = 6000
-    keys = clustered(n, dim, 11)
-    ds.append(keys, np.zeros(n, np.int64), np.arange(n) % 7, np.zeros(n, np.int64), 0)
-    params = IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64)
-    build_index(ds, tmp_path / "ix", params, progress=False)
-    rng = np.random.default_rng(3)
-    q = (keys[rng.integers(0, n, 50)] + rng.standard_normal((50, dim)) * 0.5).astype(np.float32)
+    ds, q = small_ivfpq(tmp_path, key_seed=11, query_seed=3, nq=50)
 
     def searched() -> tuple[str, npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         mem = MemoryIndex(ds, tmp_path / "ix")
@@ -390,14 +398,7 @@ def test_searches_while_versions_with_pq_tables_swap_match_an_oracle(
 ) -> None:
     # each reload builds the next version's precomputed table while 3 threads search the
     # served one; every answer must equal the single-threaded answer without a table
-    dim, n = 32, 6000
-    ds = Datastore.open(tmp_path / "ds", dim=dim)
-    keys = clustered(n, dim, 31)
-    ds.append(keys, np.zeros(n, np.int64), np.arange(n) % 7, np.zeros(n, np.int64), 0)
-    params = IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64)
-    build_index(ds, tmp_path / "ix", params, progress=False)
-    rng = np.random.default_rng(32)
-    q = (keys[rng.integers(0, n, 40)] + rng.standard_normal((40, dim)) * 0.5).astype(np.float32)
+    ds, q = small_ivfpq(tmp_path, key_seed=31, query_seed=32, nq=40)
     monkeypatch.setenv("MEMLM_PQ_TABLE_MB", "0")
     oracle_d, oracle_i = MemoryIndex(ds, tmp_path / "ix").search(q, 10)
     monkeypatch.delenv("MEMLM_PQ_TABLE_MB")
