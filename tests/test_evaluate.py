@@ -156,6 +156,32 @@ def test_an_interrupted_encode_keeps_the_chunks_it_finished(tmp_path, enc, monke
         np.testing.assert_array_equal(a.targets, b.targets)
 
 
+def test_an_encode_skips_what_another_process_wrote_after_it_started(tmp_path, enc, monkeypatch):
+    texts = [f"story {i} about the council and the vote number {i}" for i in range(4)]
+    window = WindowConfig(context=32, stride=16)
+    cache = TokenCache(enc, window, root=tmp_path)
+    cache.chunk_docs = 1
+    other = TokenCache(enc, window, root=tmp_path)  # another process sharing the cache
+    real, encoded = enc.encode_many, []
+
+    def meanwhile(docs, *a, **kw):  # while this one encodes text 0, the other writes 1 and 2
+        encoded.extend(docs)
+        if len(encoded) == 1:
+            other.get_many(texts[1:3])
+        return real(docs, *a, **kw)
+
+    monkeypatch.setattr(enc, "encode_many", meanwhile)
+    lengths = cache.lengths(texts, progress=True)
+    ids = [enc.tokenize(t) for t in texts]
+    # text 0 here, 1 and 2 by the other, then 3 here: nothing encoded twice
+    assert [list(d) for d in encoded] == ids
+    assert cache.encoded_tokens == lengths[0] + lengths[3]
+    assert other.encoded_tokens == lengths[1] + lengths[2]
+    monkeypatch.setattr(enc, "encode_many", real)
+    fresh = TokenCache(enc, window, root=tmp_path / "fresh")
+    assert lengths == [len(o) for o in fresh.get_many(texts)]
+
+
 def test_cache_lengths_encode_what_is_missing_and_read_only_headers(tmp_path, enc):
     texts = [f"the council met on day {i} and voted " * (i + 1) for i in range(5)]
     cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path)

@@ -20,6 +20,11 @@ from memlm.encoder import Encoder, TokenOutputs, WindowConfig, cache_dir
 CHUNK_DOCS = 16
 
 
+def _scored(doc_ids: Sequence[int]) -> int:
+    """How many targets a document of these token ids scores: each token after the first."""
+    return max(len(doc_ids) - 1, 0)
+
+
 def _header(zf: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
     """(shape, fortran order, dtype) of one array of an ``.npz``, without reading it."""
     with zf.open(f"{name}.npy") as f:
@@ -141,7 +146,7 @@ class TokenCache:
                         continue
             missing.append(i)
         if self.follow is not None:  # another process encodes: each scores n - 1 targets
-            out.update((i, max(len(ids[i]) - 1, 0)) for i in missing)
+            out.update((i, _scored(ids[i])) for i in missing)
             return [out[i] for i in range(len(texts))]
         for i, o in self._encode(ids, missing, progress):
             out[i] = len(o)
@@ -154,17 +159,28 @@ class TokenCache:
 
         Chunks of documents, each written before the next is encoded: an interrupted encode
         keeps what it finished, and a later call (or another process sharing the cache)
-        finds it.
+        finds it. Each chunk first looks again for documents that another process wrote
+        since ``missing`` was computed, so encode processes started at different times do
+        not repeat each other's work.
         """
         bar = None
         if progress and missing:
             from tqdm import tqdm
 
-            total = sum(max(len(ids[i]) - 1, 0) for i in missing)
+            total = sum(_scored(ids[i]) for i in missing)
             bar = tqdm(total=total, unit="tok", desc="encode", smoothing=0.05)
         try:
             for c in range(0, len(missing), self.chunk_docs):
-                part = missing[c : c + self.chunk_docs]
+                part = []
+                for i in missing[c : c + self.chunk_docs]:
+                    if (done := self._load(ids[i])) is None:
+                        part.append(i)
+                        continue
+                    if bar is not None:  # written by another process meanwhile
+                        bar.update(_scored(ids[i]))
+                    yield i, done
+                if not part:
+                    continue
                 t0 = time.perf_counter()
                 enc = self.encoder.encode_many([ids[i] for i in part], self.window)
                 self.encode_seconds += time.perf_counter() - t0
