@@ -10,6 +10,9 @@ have stored deciding on the LM without its memory, which separates the memory's 
 the text getting easier or harder over the stream.
 
     python scripts/memrate_trend.py docs/results/stream57-6/report.json runs/dense20/report.json
+
+``--plot PATH`` also draws each day's MemRate of every report and policy on one figure
+(x: tokens seen before the day), e.g. MoNIM and MoNIM+AMT from two runs over one stream.
 """
 
 from __future__ import annotations
@@ -50,11 +53,40 @@ def trend(rows: list[dict], field: str = "stored") -> dict[str, float]:
     }
 
 
+def plot(series: list[tuple[str, list[dict]]], path: Path) -> None:
+    """Each day's MemRate (solid) and the LM-alone decision (dashed, where reported) against
+    the tokens seen before that day, one line per (report, policy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, rows in series:
+        rows = [r for r in rows if r["tokens_seen"] > 0]
+        seen = np.array([r["tokens_seen"] for r in rows], np.float64)
+        x = np.concatenate([[0.0], np.cumsum(seen)[:-1]]) / 1e6
+        rate = np.array([r["stored"] for r in rows]) / seen
+        line = ax.plot(x, 100 * rate, marker="o", ms=3, label=label)[0]
+        if all("stored_lm_alone" in r for r in rows):
+            alone = np.array([r["stored_lm_alone"] for r in rows]) / seen
+            ax.plot(x, 100 * alone, "--", color=line.get_color(), label=f"{label}, LM alone")
+    ax.set_xlabel("tokens of the stream read before the day (millions)")
+    ax.set_ylabel("MemRate of the day (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="+", type=Path, help="report.json files of memlm eval")
     ap.add_argument("--policies", default="monim,monim-amt", help="comma-separated")
+    ap.add_argument("--plot", type=Path, help="also draw each day's MemRate here (.png)")
     args = ap.parse_args()
+    series: list[tuple[str, list[dict]]] = []
     print(
         "| report | policy | days | tokens seen | MemRate | first third | middle third "
         "| last third | slope (points per 100k tokens) |"
@@ -66,6 +98,7 @@ def main() -> None:
             if policy not in per_day:
                 continue
             rows = per_day[policy]
+            series.append((f"{path.parent.name}: {policy}", rows))
             variants = [("stored", policy)]
             if all("stored_lm_alone" in r for r in rows):  # reports from 2026-11-25 on
                 variants.append(("stored_lm_alone", f"{policy}, LM alone"))
@@ -76,6 +109,11 @@ def main() -> None:
                     f"{t['overall']:.1%} | {t['first']:.1%} | {t['middle']:.1%} "
                     f"| {t['last']:.1%} | {t['slope_points_per_100k']:+.2f} |"
                 )
+    if args.plot is not None:
+        if not series:
+            raise SystemExit(f"--plot: none of the policies {args.policies} is in these reports")
+        plot(series, args.plot)
+        print(f"\nwrote {args.plot}")
 
 
 if __name__ == "__main__":
