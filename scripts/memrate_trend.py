@@ -24,12 +24,18 @@ from pathlib import Path
 import numpy as np
 
 
-def trend(rows: list[dict], field: str = "stored") -> dict[str, float]:
+def days(rows: list[dict], field: str = "stored") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of the days that read tokens: the tokens read before each, its tokens seen, and its
+    ``field`` (tokens stored)."""
     seen = np.array([r["tokens_seen"] for r in rows], np.float64)
     stored = np.array([r[field] for r in rows], np.float64)
     keep = seen > 0
     seen, stored = seen[keep], stored[keep]
-    before = np.concatenate([[0.0], np.cumsum(seen)[:-1]])  # tokens read before the day
+    return np.concatenate([[0.0], np.cumsum(seen)[:-1]]), seen, stored
+
+
+def trend(rows: list[dict], field: str = "stored") -> dict[str, float]:
+    before, seen, stored = days(rows, field)
     total = seen.sum()
     thirds = []
     for lo, hi in ((0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.0)):
@@ -43,7 +49,7 @@ def trend(rows: list[dict], field: str = "stored") -> dict[str, float]:
     xm, ym = (w * x).sum(), (w * rate).sum()
     slope = (w * (x - xm) * (rate - ym)).sum() / (w * (x - xm) ** 2).sum()
     return {
-        "days": float(keep.sum()),
+        "days": float(len(seen)),
         "tokens": total,
         "overall": stored.sum() / total,
         "first": thirds[0],
@@ -63,14 +69,12 @@ def plot(series: list[tuple[str, list[dict]]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, rows in series:
-        rows = [r for r in rows if r["tokens_seen"] > 0]
-        seen = np.array([r["tokens_seen"] for r in rows], np.float64)
-        x = np.concatenate([[0.0], np.cumsum(seen)[:-1]]) / 1e6
-        rate = np.array([r["stored"] for r in rows]) / seen
-        line = ax.plot(x, 100 * rate, marker="o", ms=3, label=label)[0]
+        before, seen, stored = days(rows)
+        line = ax.plot(before / 1e6, 100 * stored / seen, marker="o", ms=3, label=label)[0]
         if all("stored_lm_alone" in r for r in rows):
-            alone = np.array([r["stored_lm_alone"] for r in rows]) / seen
-            ax.plot(x, 100 * alone, "--", color=line.get_color(), label=f"{label}, LM alone")
+            _, _, alone = days(rows, "stored_lm_alone")
+            style = {"color": line.get_color(), "label": f"{label}, LM alone"}
+            ax.plot(before / 1e6, 100 * alone / seen, "--", **style)
     ax.set_xlabel("tokens of the stream read before the day (millions)")
     ax.set_ylabel("MemRate of the day (%)")
     ax.grid(alpha=0.3)
