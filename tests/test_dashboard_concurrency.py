@@ -74,9 +74,7 @@ def test_concurrent_polls_match_a_fresh_computation_while_records_and_interpolat
     )
     # file names sort in the order they are written, so what a poll saw is a prefix
     sizes = [37, 41, 53, 59, 61, 67, 71, 79]  # every prefix has its own token count
-    written: list[dict[str, np.ndarray]] = []
-    first = _record(rec, doc=10, day=17_200, n=sizes[0], seed=0)
-    written.append(first)
+    written = [_record(rec, doc=10, day=17_200, n=sizes[0], seed=0)]
 
     curves = HeldOutCurves()
     answers: list[Any] = []
