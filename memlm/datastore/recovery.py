@@ -136,14 +136,7 @@ class _Recovery(_Segments):
         """
         listed: set[str] = set()
         changed = False
-        wanted = [
-            (f, self._nbytes(column, rows))
-            for seg, rows in enumerate(self._m.rows)
-            for column, f in self._files(seg).items()
-        ]
-        if self._m.tombstones or (self.path / TOMBSTONES).exists():
-            wanted.append((self.path / TOMBSTONES, self._m.tombstones * 8))
-        for f, want in wanted:
+        for f, want in self.committed_files():
             listed.add(f.name)
             have = f.stat().st_size if f.exists() else -1
             if have < want:

@@ -16,6 +16,7 @@ from memlm.datastore.layout import (
     _COLUMNS,
     _IDS_DTYPE,
     _KEYS_DTYPE,
+    TOMBSTONES,
     DatastoreError,
     _dtype,
     _segment_name,
@@ -63,6 +64,20 @@ class _Segments:
         out.update({col: Path(f"{base}.{col}") for col, _ in _COLUMNS})
         if name != _segment_name(seg):  # compacted: which ids the rows hold
             out["ids"] = Path(base + ".ids")
+        return out
+
+    def committed_files(self) -> list[tuple[Path, int]]:
+        """Each file the manifest commits and its committed length in bytes (segment
+        columns, the tombstone log): what a copy of the store must hold. Bytes beyond a
+        length are uncommitted."""
+        m = self._m
+        out = [
+            (f, self._nbytes(column, rows))
+            for seg, rows in enumerate(m.rows)
+            for column, f in self._files(seg).items()
+        ]
+        if m.tombstones or (self.path / TOMBSTONES).exists():
+            out.append((self.path / TOMBSTONES, m.tombstones * 8))
         return out
 
     def _nbytes(self, column: str, count: int) -> int:

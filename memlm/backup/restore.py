@@ -1,0 +1,134 @@
+"""``memlm restore``: fill an empty data directory and an empty database from a backup.
+
+Every byte is checked against the checksum the backup's manifest records before it is
+trusted: the data files as they are copied, each table's file before its rows are
+loaded. The rows are loaded in one transaction, after the files; a failure at any point
+removes the files the restore wrote and rolls the rows back, so the target is empty
+again and the restore can be run anew. The target must be empty to begin with: a restore
+never merges into, or overwrites, a service's data.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from sqlalchemy import make_url
+from sqlalchemy.orm import Session
+
+from memlm.backup.errors import BackupCorrupt, BackupError, TargetNotEmpty
+from memlm.backup.files import (
+    Progress,
+    check_entry,
+    copy_stream,
+    fsync_tree,
+    hash_file,
+    no_progress,
+    require_empty_dir,
+)
+from memlm.backup.manifest import DATA, DB, BackupManifest
+from memlm.datastore import Datastore
+from memlm.db.dump import load_table, not_empty_reason, read_lines, reset_sequences, tables
+from memlm.db.migrate import head_revision, upgrade
+from memlm.db.repositories import DocumentRepository
+from memlm.db.session import make_engine
+from memlm.memory import parse_memory_url
+from memlm.settings import Settings
+
+
+def _own_sqlite_files(settings: Settings) -> frozenset[str]:
+    """Names the data directory may already hold: the settings' own SQLite database (and
+    its WAL files) when it lives there, as ``memlm db upgrade`` leaves a new one."""
+    url = make_url(settings.db_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return frozenset()
+    db = Path(url.database).resolve()
+    if db.parent != settings.data_dir.resolve():
+        return frozenset()
+    return frozenset(db.name + suffix for suffix in ("", "-wal", "-shm", "-journal"))
+
+
+def _check_backup(m: BackupManifest, src: Path, settings: Settings) -> None:
+    if m.memory.get("backend") != "faiss":
+        raise BackupError(f"{src}: a backup of a {m.memory.get('backend')} memory")
+    if parse_memory_url(settings.memory_url) is not None:
+        raise BackupError(
+            "MEMLM_MEMORY_URL names a Milvus collection, and this backup holds the embedded "
+            "faiss memory: restore it with MEMLM_MEMORY_URL unset, then move it into "
+            "Milvus with `memlm migrate-memory`"
+        )
+    if m.revision != head_revision():
+        raise BackupError(
+            f"{src}: the backup's tables are at migration {m.revision}, this memlm's are at "
+            f"{head_revision()}: restore with the memlm that made it ({m.memlm_version}), "
+            "then run this one's `memlm db upgrade`"
+        )
+    if set(m.tables) != {t.name for t in tables()}:
+        raise BackupError(f"{src}: tables {sorted(m.tables)} are not this memlm's")
+    missing = [rel for rel in m.files if not (src / rel).is_file()]
+    if missing:
+        raise BackupCorrupt(f"{src}: {len(missing)} files of the backup are missing: {missing[:5]}")
+
+
+def restore(settings: Settings, src: Path, *, progress: Progress | None = None) -> BackupManifest:
+    """Restore the backup at ``src`` into the data directory and database of ``settings``
+    (both empty); returns the backup's manifest."""
+    src = Path(src)
+    m = BackupManifest.read(src)
+    _check_backup(m, src, settings)
+    data_dir = settings.data_dir
+    require_empty_dir(data_dir, "the data directory", _own_sqlite_files(settings))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.db_url)
+    try:
+        reason = not_empty_reason(engine)
+        if reason is not None:
+            shown = engine.url.render_as_string(hide_password=True)
+            raise TargetNotEmpty(
+                f"the database {shown} cannot receive a restore: {reason}; give an empty "
+                "database (or PostgreSQL schema)"
+            )
+        upgrade(settings.db_url)
+        before = {p.name for p in data_dir.iterdir()}
+        try:
+            _copy_files(m, src, data_dir, progress or no_progress)
+            with engine.begin() as conn:
+                for table in tables():
+                    rel = f"{DB}/{table.name}.jsonl.gz"
+                    check_entry(src / rel, m.files[rel], hash_file(src / rel))
+                    with open(src / rel, "rb") as f:
+                        loaded = load_table(conn, table, read_lines(f))
+                    if loaded != m.tables[table.name]:
+                        raise BackupCorrupt(
+                            f"{src / rel}: {loaded} rows, the manifest records "
+                            f"{m.tables[table.name]}"
+                        )
+                reset_sequences(conn)
+                with Session(bind=conn) as s:
+                    end = DocumentRepository(s).committed_end()
+                with Datastore.open(data_dir / "memory" / "datastore", readonly=True) as ds:
+                    if len(ds) != end or end != m.memory["entries"]:
+                        raise BackupCorrupt(
+                            f"{src}: the datastore holds {len(ds)} entries, the committed "
+                            f"documents own {end}, the manifest records {m.memory['entries']}"
+                        )
+        except BaseException:
+            for p in data_dir.iterdir():  # the target was empty: all of it is ours
+                if p.name not in before:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            raise
+    finally:
+        engine.dispose()
+    return m
+
+
+def _copy_files(m: BackupManifest, src: Path, data_dir: Path, progress: Progress) -> None:
+    prefix = f"{DATA}/"
+    rels = sorted(rel for rel in m.files if rel.startswith(prefix))
+    with progress("restore", sum(m.files[r].size for r in rels)) as advance:
+        for rel in rels:
+            target = data_dir / rel[len(prefix) :]
+            with open(src / rel, "rb") as f:
+                got = copy_stream(f, target, None, advance)
+            check_entry(src / rel, m.files[rel], got)
+    fsync_tree(data_dir)

@@ -1,0 +1,281 @@
+"""``memlm backup``: a consistent snapshot of a running service, ingest paused a moment.
+
+Every ingest worker appends a document's entries and commits the document in one step
+under the datastore's write lock (``workers/ingest.py``), so whoever holds that lock sees
+a datastore and a database that agree. The backup holds it only while it:
+
+1. reads the datastore's manifest and opens every file it commits (an open file keeps
+   its bytes: a later compaction unlinks the old segment files, a replace of
+   ``lexical.npz`` makes a new file, and neither reaches what the backup reads), and
+2. starts the database snapshot (its first query fixes what the whole dump sees) and
+   reads the committed end and the recorded index versions there;
+
+then releases it (milliseconds: ``BackupManifest.paused_ingest_seconds``) and copies
+outside it. The index build lock is held around that moment and while the index
+versions and the calibrator's files are opened (no build in progress changes them); it
+stops builds and the last step of a forget, never an append.
+
+Entries beyond the committed end (a worker killed between its append and its commit)
+are cut from the copy, as the next worker start would cut them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection
+
+import memlm
+from memlm.backup.errors import BackupError
+from memlm.backup.files import (
+    HashingWriter,
+    Progress,
+    copy_stream,
+    fsync_tree,
+    hash_file,
+    no_progress,
+    require_empty_dir,
+)
+from memlm.backup.manifest import DATA, DB, BackupManifest, FileEntry
+from memlm.datastore import LOCK, Datastore
+from memlm.datastore import MANIFEST as DATASTORE_MANIFEST
+from memlm.db.dump import committed_state, dump_table, snapshot_engine, tables
+from memlm.db.migrate import head_revision
+from memlm.index import list_versions
+from memlm.index.versions import version_name
+from memlm.locks import FileLock, LockBusy
+from memlm.memory import parse_memory_url
+from memlm.settings import Settings
+
+# How often the backup tries the datastore's write lock: workers hold it a few ms per
+# document and wait for it blocking, so a try finds it free between two of their steps.
+_POLL = 0.005
+
+# Files of the memory directory besides the datastore and the index versions.
+LEXICAL = "lexical.npz"
+TRAIN = "calibrator-train.npz"  # memlm.calibrator.heldout_set.TRAIN_FILE
+PENDING = "calibrator-pending"  # memlm.heldout.PENDING_DIR
+
+
+@dataclass
+class _Opened:
+    """A file opened inside the snapshot, copied after it."""
+
+    rel: str  # its path under the data directory (and under the backup's data/)
+    f: IO[bytes]
+    length: int | None  # committed bytes; None: the whole file
+
+
+@dataclass
+class _Snapshot:
+    files: list[_Opened] = field(default_factory=list)
+    datastore_manifest: str = ""
+    entries: int = 0  # the datastore's committed length at the snapshot
+    live: int = 0
+    deleted_documents: int = 0
+    dim: int = 0
+    key_precision: str = ""
+    committed_end: int = 0  # what the committed documents own (<= entries)
+    versions: list[int] = field(default_factory=list)  # recorded and copied
+    paused: float = 0.0
+
+
+def _transient(rel: Path) -> bool:
+    """A temp file or directory of an atomic write in progress (``.tmp-x``,
+    ``lexical.tmp.npz``, ``.calibrator-x``): never part of a committed state."""
+    return any(p.startswith(".") or ".tmp" in p for p in rel.parts)
+
+
+def _acquire(lock: FileLock, wait: float, why: str) -> None:
+    try:
+        lock.acquire(timeout=wait, poll=_POLL)
+    except LockBusy:
+        raise BackupError(f"{why} held {lock.path} for more than {wait:g} s; try again") from None
+
+
+def _open(snap: _Snapshot, root: Path, path: Path, length: int | None = None) -> None:
+    snap.files.append(_Opened(path.relative_to(root).as_posix(), open(path, "rb"), length))  # noqa: SIM115
+
+
+def _take_snapshot(
+    conn: Connection, data_dir: Path, wait: float, while_paused: Callable[[], None] | None
+) -> _Snapshot:
+    from memlm.engine import BUILD_LOCK
+
+    memory = data_dir / "memory"
+    ds_dir = memory / "datastore"
+    snap = _Snapshot()
+    build = FileLock(memory / BUILD_LOCK)
+    writer = FileLock(ds_dir / LOCK)
+    _acquire(build, wait, "an index build")
+    try:
+        _acquire(writer, wait, "a datastore writer")
+        t0 = time.monotonic()
+        try:
+            snap.datastore_manifest = (ds_dir / DATASTORE_MANIFEST).read_text(encoding="utf-8")
+            ds = Datastore.open(ds_dir, readonly=True)
+            try:
+                for path, length in ds.committed_files():
+                    _open(snap, data_dir, path, length)
+                snap.entries, snap.live, snap.dim = len(ds), ds.num_live, ds.dim
+                snap.deleted_documents, snap.key_precision = (
+                    ds.num_deleted_documents,
+                    ds.key_precision,
+                )
+            finally:
+                ds.close()
+            if (memory / LEXICAL).exists():  # updated with each append, under this lock
+                _open(snap, data_dir, memory / LEXICAL)
+            if while_paused is not None:  # tests: what others try while ingest is paused
+                while_paused()
+            revision = MigrationContext.configure(conn).get_current_revision()
+            snap.committed_end, recorded = committed_state(conn)
+        finally:
+            writer.release()
+            snap.paused = time.monotonic() - t0
+        if revision != head_revision():
+            raise BackupError(
+                f"the database is at migration {revision}, this memlm needs {head_revision()}:"
+                " run `memlm db upgrade` (the service does not start before it either)"
+            )
+        root = memory / "index"
+        snap.versions = [v for v in list_versions(root) if v in recorded]
+        for v in snap.versions:
+            for p in sorted((root / version_name(v)).rglob("*")):
+                if p.is_file() and not _transient(p.relative_to(root)):
+                    _open(snap, data_dir, p)
+        if (memory / TRAIN).exists():
+            _open(snap, data_dir, memory / TRAIN)
+        if (memory / PENDING).is_dir():
+            for p in sorted((memory / PENDING).iterdir()):
+                if p.is_file() and not _transient(p.relative_to(memory)):
+                    _open(snap, data_dir, p)
+    finally:
+        build.release()
+    return snap
+
+
+def backup(
+    settings: Settings,
+    dest: Path,
+    *,
+    wait: float = 600.0,
+    progress: Progress | None = None,
+    while_paused: Callable[[], None] | None = None,
+) -> BackupManifest:
+    """Write a consistent snapshot of the service of ``settings`` into ``dest`` (new or
+    empty); returns its manifest (also written, last, as ``dest/backup.json``).
+
+    ``wait``: seconds to wait for a running index build (or a compaction) to let go of
+    its lock. ``while_paused`` (tests only) runs while the backup holds ingest paused.
+    """
+    dest = Path(dest)
+    require_empty_dir(dest, "the backup destination")
+    if parse_memory_url(settings.memory_url) is not None:
+        raise BackupError(
+            "MEMLM_MEMORY_URL names a Milvus collection: its entries live in Milvus, not in "
+            "the data directory; see 'Backup and restore' in docs/service.md"
+        )
+    data_dir = settings.data_dir
+    ds_dir = data_dir / "memory" / "datastore"
+    if not (ds_dir / DATASTORE_MANIFEST).exists():
+        raise BackupError(
+            f"no datastore at {ds_dir}: nothing to back up (is MEMLM_DATA_DIR the service's?)"
+        )
+    progress = progress or no_progress
+    db = snapshot_engine(settings.db_url)
+    snap = _Snapshot()
+    try:
+        with db.connect() as conn, conn.begin():
+            snap = _take_snapshot(conn, data_dir, wait, while_paused)
+            if snap.committed_end > snap.entries:
+                raise BackupError(
+                    f"the datastore holds {snap.entries} entries but the committed documents "
+                    f"own {snap.committed_end}: the data directory {data_dir} is not the "
+                    "database's"
+                )
+            created = dt.datetime.now(dt.UTC).isoformat()
+            dest.mkdir(parents=True, exist_ok=True)
+            files: dict[str, FileEntry] = {}
+            counts: dict[str, int] = {}
+            for table in tables():  # in the snapshot transaction: what the moment saw
+                rel = f"{DB}/{table.name}.jsonl.gz"
+                out = HashingWriter(dest / rel)
+                try:
+                    counts[table.name] = dump_table(conn, table, out)  # type: ignore[arg-type]
+                finally:
+                    files[rel] = out.close()
+        total = sum(o.length if o.length is not None else _size(o.f) for o in snap.files)
+        with progress("backup", total) as advance:
+            for o in snap.files:
+                files[f"{DATA}/{o.rel}"] = copy_stream(o.f, dest / DATA / o.rel, o.length, advance)
+    finally:
+        for o in snap.files:
+            o.f.close()
+        db.dispose()
+    files.update(_write_pointers(dest, snap))
+    fsync_tree(dest)
+    manifest = BackupManifest(
+        created_at=created,
+        memlm_version=memlm.__version__,
+        revision=head_revision() or "",
+        dialect=db.dialect.name,
+        tables=counts,
+        memory={
+            "backend": "faiss",
+            "entries": snap.committed_end,
+            "live_entries": None,  # filled below, from the copy cut to the committed end
+            "deleted_documents": snap.deleted_documents,
+            "dim": snap.dim,
+            "key_precision": snap.key_precision,
+            "index_version": snap.versions[-1] if snap.versions else None,
+        },
+        paused_ingest_seconds=snap.paused,
+        files=files,
+    )
+    ds_copy = dest / DATA / "memory" / "datastore"
+    if snap.entries > snap.committed_end:
+        _cut(ds_copy, snap.committed_end)
+        prefix = ds_copy.relative_to(dest).as_posix() + "/"
+        for rel in [r for r in files if r.startswith(prefix)]:
+            del files[rel]
+        files.update({p.relative_to(dest).as_posix(): hash_file(p) for p in ds_copy.iterdir()})
+    with Datastore.open(ds_copy, readonly=True) as ds:
+        manifest.memory["live_entries"] = ds.num_live
+    manifest.write(dest)
+    return manifest
+
+
+def _size(f: IO[bytes]) -> int:
+    return os.fstat(f.fileno()).st_size
+
+
+def _write_pointers(dest: Path, snap: _Snapshot) -> dict[str, FileEntry]:
+    """The datastore's manifest as the snapshot read it, and CURRENT naming the newest
+    recorded version (a version built but never recorded is an orphan: not copied)."""
+    out: dict[str, FileEntry] = {}
+    memory = f"{DATA}/memory"
+    texts = {f"{memory}/datastore/{DATASTORE_MANIFEST}": snap.datastore_manifest}
+    if snap.versions:
+        texts[f"{memory}/index/CURRENT"] = version_name(snap.versions[-1]) + "\n"
+    for rel, body in texts.items():
+        w = HashingWriter(dest / rel)
+        w.write(body.encode("utf-8"))
+        out[rel] = w.close()
+    return out
+
+
+def _cut(ds_copy: Path, end: int) -> None:
+    """Cut the copied datastore to the committed end with the datastore's own truncate
+    (and the tail cut of its next exclusive writer's open)."""
+    with Datastore.open(ds_copy) as ds:
+        ds.truncate(end)
+    Datastore.open(ds_copy).close()
+    (ds_copy / LOCK).unlink()
