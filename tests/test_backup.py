@@ -6,7 +6,6 @@ damaged backups refused."""
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import json
 import threading
 import time
@@ -211,3 +210,218 @@ def test_a_restored_service_answers_predict_exactly_as_before(
     assert new == [ids[-1] + 1]
     assert restored.drain() == 1
     _check_consistent(b, restored.sessions)
+
+
+def test_backup_waits_for_an_append_to_commit(
+    tmp_path: Path, sqlite_url: str, tiny: Any, services: list[Service]
+) -> None:
+    """A worker that appends while the backup holds its moment waits for the moment to
+    end: the backup has neither its entries nor its commit. Without the lock the commit
+    lands between the datastore's manifest and the database snapshot, and the backup holds
+    a document marked done whose entries it lacks (refused as not the database's)."""
+    a = _settings(tmp_path, "a", sqlite_url)
+    svc = Service(a, tiny)
+    services.append(svc)
+    _add(svc.sessions, TEXTS[:2])
+    assert svc.drain() == 2
+    [late] = _add(svc.sessions, [TEXTS[2]])
+    worker = threading.Thread(target=svc.worker.step)
+    blocked: list[bool] = []
+
+    def while_paused() -> None:
+        worker.start()
+        worker.join(timeout=3.0)  # the document is encoded in ~0.2 s, then it appends
+        blocked.append(worker.is_alive())
+
+    m = backup(a, tmp_path / "backup", while_paused=while_paused)
+    worker.join(timeout=30)
+    assert blocked == [True]
+    with svc.sessions() as s:
+        assert s.get(Document, late).status == "done"  # after the moment
+    assert m.memory["entries"] == 2 * 33 and m.tables["documents"] == 3
+    b = _settings(tmp_path, "b", None)
+    restore(b, tmp_path / "backup")
+    restored = Service(b, tiny)  # its worker's start puts the claim back in the queue
+    services.append(restored)
+    assert _check_consistent(b, restored.sessions) == (2, 66)
+    with restored.sessions() as s:
+        assert s.get(Document, late).status == "pending"
+    assert restored.drain() == 1
+    assert _check_consistent(b, restored.sessions) == (3, 99)
+
+
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("pg", marks=pytest.mark.postgres)])
+def test_backups_taken_while_a_worker_ingests_are_consistent(
+    tmp_path: Path,
+    tiny: Any,
+    services: list[Service],
+    db: str,
+    request: pytest.FixtureRequest,
+    make_sessions: Any,
+) -> None:
+    """Backups every 0.3 s while the worker loop memorises 40 documents: each restores into
+    a data directory and database that agree, and ingest paused milliseconds for each."""
+    a = _settings(tmp_path, "a", request.getfixturevalue("pg_url" if db == "pg" else "sqlite_url"))
+    svc = Service(a, tiny)
+    services.append(svc)
+    _add(svc.sessions, TEXTS)
+    stop = threading.Event()
+    loop = threading.Thread(target=svc.worker.run, args=(stop,))
+    loop.start()
+    taken: list[BackupManifest] = []
+    try:
+        while True:
+            with svc.sessions() as s:
+                left = DocumentRepository(s).pending_count()
+            if left == 0 or len(taken) == 12:
+                break
+            taken.append(backup(a, tmp_path / f"backup-{len(taken)}"))
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        loop.join(timeout=60)
+    done_counts = []
+    for i, m in enumerate(taken):
+        b = _settings(tmp_path, f"r{i}", None)
+        restore(b, tmp_path / f"backup-{i}")
+        sessions = make_sessions(b.db_url)
+        done, live = _check_consistent(b, sessions)
+        assert live == m.memory["live_entries"] == m.memory["entries"]
+        done_counts.append(done)
+    mid = [n for n in done_counts if 0 < n < len(TEXTS)]
+    assert len(mid) >= 2, done_counts  # taken while the worker was half way
+    paused = sorted(m.paused_ingest_seconds for m in taken)
+    print(f"\n[backup] ingest paused (s): {[round(p, 4) for p in paused]}")
+    assert paused[-1] < 1.0
+
+
+def test_entries_of_an_uncommitted_append_are_cut_from_the_backup(
+    tmp_path: Path, sqlite_url: str, tiny: Any, services: list[Service]
+) -> None:
+    """A worker killed between its append and its commit leaves entries no committed
+    document owns; the backup holds the committed prefix only."""
+    a = _settings(tmp_path, "a", sqlite_url)
+    svc = Service(a, tiny)
+    services.append(svc)
+    _add(svc.sessions, TEXTS[:3])
+    svc.worker.step()
+    with pytest.raises(SimulatedCrash):
+        svc.worker.step(crash_at="after_append")
+    assert len(svc.engine.datastore) == 66  # the second document's entries, uncommitted
+    m = backup(a, tmp_path / "backup")
+    assert m.memory["entries"] == m.memory["live_entries"] == 33
+    b = _settings(tmp_path, "b", None)
+    restore(b, tmp_path / "backup")
+    restored = Service(b, tiny)
+    services.append(restored)
+    assert _check_consistent(b, restored.sessions) == (1, 33)
+    assert restored.drain() == 2
+    assert _check_consistent(b, restored.sessions) == (3, 99)
+
+
+def _small_backup(tmp_path: Path, tiny: Any, services: list[Service]) -> Settings:
+    a = _settings(tmp_path, "a", None)
+    a.data_dir.mkdir(parents=True)
+    upgrade(a.db_url)
+    svc = Service(a, tiny)
+    services.append(svc)
+    _add(svc.sessions, TEXTS[:2])
+    assert svc.drain() == 2
+    backup(a, tmp_path / "backup")
+    return a
+
+
+def test_backup_and_restore_refuse_non_empty_targets(
+    tmp_path: Path, tiny: Any, services: list[Service], sqlite_url: str, make_sessions: Any
+) -> None:
+    a = _small_backup(tmp_path, tiny, services)
+    with pytest.raises(TargetNotEmpty, match="backup destination .* is not empty"):
+        backup(a, tmp_path / "backup")
+    assert (tmp_path / "backup" / "backup.json").is_file()
+
+    # a data directory holding anything (here: another service's) is refused, untouched
+    with pytest.raises(TargetNotEmpty, match="data directory .* is not empty"):
+        restore(a, tmp_path / "backup")
+    # a database holding rows is refused; nothing is written into the data directory
+    b = _settings(tmp_path, "b", sqlite_url)
+    with make_sessions(sqlite_url).begin() as s:
+        DocumentRepository(s).add_many([NewDocument("x y z", dt.date(2017, 1, 1), "s")])
+    with pytest.raises(TargetNotEmpty, match="table documents holds rows"):
+        restore(b, tmp_path / "backup")
+    assert not b.data_dir.exists()
+
+
+@pytest.mark.postgres
+def test_restore_into_postgresql_refuses_rows_and_takes_a_migrated_empty_schema(
+    tmp_path: Path,
+    tiny: Any,
+    services: list[Service],
+    pg_url: str,
+    empty_pg_schema: str,
+    make_sessions: Any,
+) -> None:
+    _small_backup(tmp_path, tiny, services)
+    full = _settings(tmp_path, "full", empty_pg_schema)
+    upgrade(empty_pg_schema)
+    with make_sessions(empty_pg_schema).begin() as s:
+        DocumentRepository(s).add_many([NewDocument("x y z", dt.date(2017, 1, 1), "s")])
+    with pytest.raises(TargetNotEmpty, match="table documents holds rows"):
+        restore(full, tmp_path / "backup")
+    b = _settings(tmp_path, "b", pg_url)  # at the head, no rows: as `memlm db upgrade` leaves it
+    restore(b, tmp_path / "backup")
+    assert _check_consistent(b, make_sessions(pg_url)) == (2, 66)
+
+
+def test_a_damaged_backup_is_refused_and_leaves_the_target_empty(
+    tmp_path: Path, tiny: Any, services: list[Service], make_sessions: Any
+) -> None:
+    _small_backup(tmp_path, tiny, services)
+    keys = tmp_path / "backup" / "data" / "memory" / "datastore" / "seg-000000.keys"
+    good = keys.read_bytes()
+    keys.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    b = _settings(tmp_path, "b", None)
+    with pytest.raises(BackupCorrupt, match="seg-000000.keys: .* the backup is damaged"):
+        restore(b, tmp_path / "backup")
+    # only the (empty) database the restore created is left; a good backup then restores
+    assert sorted(p.name for p in b.data_dir.iterdir()) == ["memlm.sqlite"]
+    keys.write_bytes(good)
+    restore(b, tmp_path / "backup")
+    assert _check_consistent(b, make_sessions(b.db_url)) == (2, 66)
+    (tmp_path / "backup" / "db" / "documents.jsonl.gz").unlink()
+    with pytest.raises(BackupCorrupt, match="1 files of the backup are missing"):
+        restore(_settings(tmp_path, "c", None), tmp_path / "backup")
+    (tmp_path / "backup" / "backup.json").unlink()
+    with pytest.raises(BackupError, match="not a memlm backup: it has no backup.json"):
+        restore(_settings(tmp_path, "c", None), tmp_path / "backup")
+
+
+def test_milvus_memory_backup_says_where_the_entries_are(tmp_path: Path) -> None:
+    s = make_settings(tmp_path, None, memory_url="milvus://127.0.0.1:19530/memlm")
+    with pytest.raises(BackupError, match="Milvus collection"):
+        backup(s, tmp_path / "backup")
+
+
+def test_the_commands(tmp_path: Path, tiny: Any, services: list[Service]) -> None:
+    from memlm.cli import app
+
+    a = _small_backup(tmp_path, tiny, services)
+    b = _settings(tmp_path, "b", None)
+    env = {"MEMLM_DATA_DIR": str(b.data_dir), "MEMLM_ENV": "development"}
+    runner = CliRunner()
+    out = runner.invoke(app, ["restore", str(tmp_path / "backup")], env=env)
+    assert out.exit_code == 0, out.output
+    assert "restored 2 documents and 66 datastore entries" in out.output
+    again = runner.invoke(app, ["restore", str(tmp_path / "backup")], env=env)
+    assert again.exit_code == 1
+    assert "error: the data directory" in again.output and "is not empty" in again.output
+    env = {"MEMLM_DATA_DIR": str(a.data_dir), "MEMLM_ENV": "development"}
+    out = runner.invoke(app, ["backup", str(tmp_path / "second")], env=env)
+    assert out.exit_code == 0, out.output
+    assert "backup of 2 documents and 66 datastore entries" in out.output
+    assert json.loads((tmp_path / "second" / "backup.json").read_text())["tables"] == {
+        "day_stats": 1,
+        "documents": 2,
+        "document_spans": 2,
+        "index_builds": 0,
+        "policy_settings": 1,
+    }

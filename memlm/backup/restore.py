@@ -77,17 +77,19 @@ def restore(settings: Settings, src: Path, *, progress: Progress | None = None) 
     m = BackupManifest.read(src)
     _check_backup(m, src, settings)
     data_dir = settings.data_dir
-    require_empty_dir(data_dir, "the data directory", _own_sqlite_files(settings))
-    data_dir.mkdir(parents=True, exist_ok=True)
+    own_db = _own_sqlite_files(settings)
+    require_empty_dir(data_dir, "the data directory", own_db)
     engine = make_engine(settings.db_url)
     try:
-        reason = not_empty_reason(engine)
+        # (a SQLite file in a data directory not yet made does not exist yet: empty)
+        reason = None if own_db and not data_dir.exists() else not_empty_reason(engine)
         if reason is not None:
             shown = engine.url.render_as_string(hide_password=True)
             raise TargetNotEmpty(
                 f"the database {shown} cannot receive a restore: {reason}; give an empty "
                 "database (or PostgreSQL schema)"
             )
+        data_dir.mkdir(parents=True, exist_ok=True)
         upgrade(settings.db_url)
         before = {p.name for p in data_dir.iterdir()}
         try:

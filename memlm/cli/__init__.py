@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "memlm.cli.service_cmd",
     "memlm.cli.client_cmd",
     "memlm.cli.memory_cmd",
+    "memlm.cli.backup_cmd",
 ]
 
 for _name in _COMMAND_MODULES:
