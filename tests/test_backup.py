@@ -48,7 +48,9 @@ def tiny() -> Any:
 
 def _settings(tmp_path: Path, name: str, url: str | None) -> Settings:
     """None: the embedded default, a SQLite file in the data directory."""
-    return make_settings(tmp_path / name, url, model="tiny-llama", calibrator_sample=1.0)
+    return make_settings(
+        tmp_path / name, "", database_url=url, model="tiny-llama", calibrator_sample=1.0
+    )
 
 
 def _add(sessions: Any, texts: list[str], day: int = 7) -> list[int]:
@@ -66,7 +68,7 @@ class Service:
 
     def __init__(self, settings: Settings, encoder: Any) -> None:
         self.settings = settings
-        self.engine = open_engine(settings, encoder=encoder)
+        self.engine: Any = open_engine(settings, encoder=encoder)
         self.app = create_app(settings, engine=self.engine, run_worker=False, poll=False)
         self.client = TestClient(self.app)
         self.client.__enter__()
@@ -396,7 +398,7 @@ def test_a_damaged_backup_is_refused_and_leaves_the_target_empty(
 
 
 def test_milvus_memory_backup_says_where_the_entries_are(tmp_path: Path) -> None:
-    s = make_settings(tmp_path, None, memory_url="milvus://127.0.0.1:19530/memlm")
+    s = make_settings(tmp_path, "", database_url=None, memory_url="milvus://127.0.0.1:19530/memlm")
     with pytest.raises(BackupError, match="Milvus collection"):
         backup(s, tmp_path / "backup")
 
