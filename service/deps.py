@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
@@ -23,6 +23,18 @@ def get_state(request: Request) -> AppState:
 State = Annotated[AppState, Depends(get_state)]
 
 
+_AFTER_COMMIT = "memlm.after_commit"
+
+
+def after_commit(session: Session, action: Callable[[], None]) -> None:
+    """Run ``action`` once the request's unit of work has committed (not if it fails).
+
+    For changes outside the database that must not happen unless the change that calls
+    for them is durable (forget: hiding a document, which on Milvus deletes its entries).
+    """
+    session.info.setdefault(_AFTER_COMMIT, []).append(action)
+
+
 def get_session(state: State) -> Iterator[Session]:
     """The request's unit of work: committed once after the route returns."""
     with state.sessions() as session:
@@ -32,6 +44,8 @@ def get_session(state: State) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+        for action in session.info.pop(_AFTER_COMMIT, []):
+            action()
 
 
 # scope="function": commit before the response is sent, so a 2xx means committed.

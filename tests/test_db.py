@@ -73,9 +73,11 @@ def test_claim_order_done_and_committed_end(sessions: sessionmaker[Session]) -> 
         docs = DocumentRepository(s)
         claimed = docs.claim_next("w1")
         assert claimed is not None and (claimed.id, claimed.status) == (early, "processing")
-        docs.mark_done(
-            claimed, policy="monim", tokens_seen=9, tokens_stored=4, entry_start=0, entry_end=4
+        assert claimed.attempts == 1  # counted at the claim: a worker may die during it
+        assert docs.mark_done(
+            early, "w1", policy="monim", tokens_seen=9, tokens_stored=4, entry_start=0, entry_end=4
         )
+        assert docs.get(early).attempts == 0  # failed tries: this one succeeded
         StatsRepository(s).add_document(D1, "monim", 9, 4)
     with sessions.begin() as s:
         docs = DocumentRepository(s)
@@ -84,9 +86,10 @@ def test_claim_order_done_and_committed_end(sessions: sessionmaker[Session]) -> 
         assert nxt is not None and nxt.id == late
         assert docs.claim_next("w1") is None
         assert docs.claimants() == ["w1"]
-        assert docs.release_claims(["w2"]) == 0  # another worker's claims only
-        assert docs.release_claims(["w1"]) == 1
+        assert docs.release_claims(["w2"], max_attempts=5, cause="died") == 0  # its own only
+        assert docs.release_claims(["w1"], max_attempts=5, cause="died") == 1
         assert docs.claimants() == []
+        assert (docs.get(late).attempts, docs.get(late).error) == (1, "died during try 1 of 5")
         assert docs.counts_by_status() == {"done": 1, "pending": 1}
     with sessions.begin() as s:
         docs = DocumentRepository(s)
@@ -111,15 +114,16 @@ def test_retry_later_waits_its_time_and_requeue_failed(sessions: sessionmaker[Se
         docs = DocumentRepository(s)
         claimed = docs.claim_next("w1")
         assert claimed is not None and claimed.id == first
-        docs.retry_later(first, "busy", now + dt.timedelta(hours=1))
+        assert docs.retry_later(first, "w1", "busy", now + dt.timedelta(hours=1))
         # the earlier document waits for its retry; the queue goes on without it
         nxt = docs.claim_next("w1")
         assert nxt is not None and nxt.id == second
         assert docs.claim_next("w1") is None
         docs.get(first).retry_at = now - dt.timedelta(seconds=1)
         again = docs.claim_next("w1")
-        assert again is not None and (again.id, again.attempts, again.error) == (first, 1, "busy")
-        docs.mark_failed(first, "gave up")
+        assert again is not None and (again.id, again.attempts, again.error) == (first, 2, "busy")
+        assert not docs.mark_failed(first, "w2", "gave up")  # not w2's claim: nothing written
+        assert docs.mark_failed(first, "w1", "gave up")
         with pytest.raises(Conflict, match="is processing; only a failed one is retried"):
             docs.requeue_failed(second)
         with pytest.raises(NotFound):
@@ -277,7 +281,13 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
         claimed = docs.claim_next("w")
         assert claimed is not None
         docs.mark_done(
-            claimed, policy="monim", tokens_seen=1, tokens_stored=1, entry_start=0, entry_end=1
+            claimed.id,
+            "w",
+            policy="monim",
+            tokens_seen=1,
+            tokens_stored=1,
+            entry_start=0,
+            entry_end=1,
         )
         builds = BuildRepository(s)
         builds.claim_queued()
@@ -301,7 +311,9 @@ def _every_timestamp_is_utc(sessions: sessionmaker[Session]) -> None:
     _assert_utc_between(got, t0, t1)
     with sessions.begin() as s:
         [retried] = (a.id for a in DocumentRepository(s).add_many([new("tz retry")]))
-        DocumentRepository(s).retry_later(retried, "busy", t1)
+    with sessions.begin() as s:
+        assert DocumentRepository(s).claim_next("w") is not None
+        assert DocumentRepository(s).retry_later(retried, "w", "busy", t1)
     with sessions() as s:
         assert DocumentRepository(s).get(retried).retry_at == t1
     with sessions.begin() as s:
@@ -358,8 +370,12 @@ def test_forgotten_text_leaves_the_sqlite_files(
     with sessions.begin() as s:
         docs = DocumentRepository(s)
         [a, b] = docs.add_many([new(secret, title="Hedge"), new("another text")])
+    with sessions.begin() as s:
+        docs = DocumentRepository(s)
+        assert docs.claim_next("w") is not None
         docs.mark_done(
-            docs.get(a.id),
+            a.id,
+            "w",
             policy="monim",
             tokens_seen=3,
             tokens_stored=2,

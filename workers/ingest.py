@@ -66,6 +66,10 @@ class DatastoreAhead(RuntimeError):
     """The datastore is shorter than the committed documents say: data was lost."""
 
 
+# Why a claim went back without a result (the try was counted when it was claimed).
+_DIED = "the worker processing it died (killed, or out of memory)"
+_LOST = "the worker processing it could not record the result (database unreachable)"
+
 # Exceptions whose message describes the document, so the reason may be shown to users.
 _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
 
@@ -210,7 +214,9 @@ class IngestWorker:
         if not dead:
             return 0
         with self.sessions.begin() as s:
-            released = DocumentRepository(s).release_claims(dead)
+            released = DocumentRepository(s).release_claims(
+                dead, max_attempts=self.settings.ingest_max_attempts, cause=_DIED
+            )
         if released:
             log.warning("put %d documents of stopped workers %s back in the queue", released, dead)
         return released
@@ -279,8 +285,9 @@ class IngestWorker:
             log.warning("document %d: %d entries hidden, %s recorded", doc_id, hidden, stored)
         with self.sessions.begin() as s:
             # two workers may hide the same document; the one that flips the status counts
-            if DocumentRepository(s).mark_forgotten(doc_id):
-                StatsRepository(s).add_forgotten(day, policy or "unknown", stored or 0)
+            # (a document forgotten during its first try has no entries and no policy)
+            if DocumentRepository(s).mark_forgotten(doc_id) and stored:
+                StatsRepository(s).add_forgotten(day, policy or "unknown", stored)
         return Processed(doc_id, "forgotten", 0, stored or 0)
 
     def _policy(self, s: Session) -> tuple[str, Any]:
@@ -316,23 +323,28 @@ class IngestWorker:
             seen, stored = int(result.tokens_seen), int(result.tokens_stored)
             try:
                 with self.sessions.begin() as s:
-                    docs = DocumentRepository(s)
-                    docs.mark_done(
-                        docs.get(doc_id),
+                    recorded = DocumentRepository(s).mark_done(
+                        doc_id,
+                        self.name,
                         policy=policy_name,
                         tokens_seen=seen,
                         tokens_stored=stored,
                         entry_start=_opt_int(result.first_entry),
                         entry_end=_opt_int(result.end_entry),
                     )
-                    StatsRepository(s).add_document(day, policy_name, seen, stored)
-                    # snippet offsets commit with the document (None from engines without)
-                    SpanRepository(s).put(doc_id, getattr(prepared, "char_spans", None))
+                    if recorded:
+                        StatsRepository(s).add_document(day, policy_name, seen, stored)
+                        # snippet offsets commit with the document (None from engines without)
+                        SpanRepository(s).put(doc_id, getattr(prepared, "char_spans", None))
             except Exception as exc:
                 # The commit failed: the entries must not outlive it (_failed cuts them
                 # now; any worker's next append would too), and the document is retried.
                 log.warning("commit of document %d failed; rolling the datastore back", doc_id)
                 return self._failed(doc_id, exc)
+            if not recorded:  # forgotten during the try: nothing of it may be served
+                self._discard_try(doc_id)
+                log.info("document %d was forgotten while processed; its entries are cut", doc_id)
+                return Processed(doc_id, "withdrawn")
         self.done += 1
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)
 
@@ -343,25 +355,22 @@ class IngestWorker:
         bookkeeping itself fails (the database is down), the exception leaves the step and
         ``run`` puts the claim back in the queue.
         """
-        if self.on_milvus:  # whatever this try wrote must not outlive it
-            self.engine.memory.delete_document(doc_id)  # type: ignore[attr-defined]
-        else:
-            with self.engine.exclusive():
-                self._cut_uncommitted()
+        self._discard_try(doc_id)
         reason = failure_reason(exc)
         limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:
             docs = DocumentRepository(s)
-            failures = (docs.get(doc_id).attempts or 0) + 1
+            failures = docs.get(doc_id).attempts  # this try included: the claim counted it
             if is_permanent(exc) or failures >= limit:
-                docs.mark_failed(doc_id, reason)
+                settled = docs.mark_failed(doc_id, self.name, reason)
                 status = "failed"
             else:
                 delay = retry_delay(self.settings, failures)
-                docs.retry_later(
-                    doc_id, reason, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
-                )
+                at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
+                settled = docs.retry_later(doc_id, self.name, reason, at)
                 status = "retrying"
+        if not settled:  # forgotten during the try: its forget runs next
+            return Processed(doc_id, "withdrawn")
         if status == "failed":
             log.error("document %d failed (try %d of %d)", doc_id, failures, limit, exc_info=exc)
         else:
@@ -374,6 +383,14 @@ class IngestWorker:
                 exc_info=exc,
             )
         return Processed(doc_id, status)
+
+    def _discard_try(self, doc_id: int) -> None:
+        """Take out whatever this try of the document wrote to the memory."""
+        if self.on_milvus:
+            self.engine.memory.delete_document(doc_id)  # type: ignore[attr-defined]
+        else:
+            with self.engine.exclusive():
+                self._cut_uncommitted()
 
     def _cut_uncommitted(self) -> tuple[int, int]:
         """Cut entries no committed document owns (call inside ``engine.exclusive()``).
@@ -436,7 +453,9 @@ class IngestWorker:
         queue, so that the document does not wait for this worker's restart."""
         try:
             with self.sessions.begin() as s:
-                released = DocumentRepository(s).release_claims([self.name])
+                released = DocumentRepository(s).release_claims(
+                    [self.name], max_attempts=self.settings.ingest_max_attempts, cause=_LOST
+                )
         except Exception:
             log.exception("could not put the claim of worker %s back; its restart will", self.name)
             return

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from fastapi import APIRouter, status
 from starlette.concurrency import run_in_threadpool
 
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository, DocumentRepository, PolicyRepository
-from service.deps import AdminAuth, DbSession, EngineDep, RowId, State
+from service.deps import AdminAuth, DbSession, EngineDep, RowId, State, after_commit
 from service.errors import error_responses
 from service.routes.documents import document_out
 from service.schemas import (
@@ -19,6 +22,8 @@ from service.schemas import (
     StatsResponse,
 )
 from service.stats import policy_out, read_db, summarise
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], dependencies=[AdminAuth], responses=error_responses(401)
@@ -108,13 +113,24 @@ def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
     summary="Forget a document: its entries leave the memory",
 )
 def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
-    """A done document becomes ``forgetting`` until the worker deletes its entries; this
-    process stops serving them at once (others at their next index sync)."""
+    """A done or processing document becomes ``forgetting`` until the worker deletes its
+    entries; this process stops serving them at once (others at their next index sync)."""
     doc = DocumentRepository(session).request_forget(doc_id)
     hide = getattr(state.engine, "hide_documents", None)
     if hide is not None and doc.status == "forgetting":
-        hide([doc_id])
+        # Only once "forgetting" is committed: on Milvus hiding deletes the entries, and a
+        # failed commit would leave a done document without them. Committed first, a
+        # failure anywhere after leaves a forget that the worker (and every API process's
+        # index sync) completes.
+        after_commit(session, lambda: _hide(hide, doc_id))
     return document_out(doc)
+
+
+def _hide(hide: Callable[[list[int]], object], doc_id: int) -> None:
+    try:
+        hide([doc_id])
+    except Exception:  # the forget is committed: the index sync and the worker finish it
+        log.exception("could not hide document %d now; the next index sync will", doc_id)
 
 
 @router.post(
