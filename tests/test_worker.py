@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from memlm.db.errors import Conflict
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import DocumentRepository, NewDocument
 from memlm.locks import LockBusy
@@ -539,10 +540,10 @@ def test_a_claim_goes_back_to_the_queue_when_even_the_failure_cannot_be_recorded
         time.sleep(0.02)
     stop.set()
     t.join(5)
-    # the first try's failure was not recorded (not counted), the claim was put back,
-    # and the second try memorised it
+    # the first try's failure could not be recorded, but the claim had counted the try;
+    # the claim was put back, and the second try memorised it
     assert engine.processed == [doc_id] and flaky.calls == 2
-    assert _doc_state(sessions, doc_id) == ("done", 0, None)
+    assert _doc_state(sessions, doc_id) == ("done", 1, None)
 
 
 def test_ingest_goes_on_while_the_builder_thread_builds(
@@ -588,3 +589,192 @@ def test_ingest_goes_on_while_the_builder_thread_builds(
     with sessions() as s:
         [row] = BuildRepository(s).recent()
         assert (row.status, row.version, row.entries) == ("done", "1", 5)
+
+
+# --- status transitions under concurrency: forget against claim, tries counted at claim --
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_setup(
+    request: pytest.FixtureRequest, tmp_path: Path, make_sessions: Callable[[str], Sessions]
+) -> Iterator[Setup]:
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    settings = make_settings(tmp_path, url, ingest_retry_backoff_seconds=0)
+    sessions = make_sessions(url)
+    engine = FakeEngine()
+    workers: list[IngestWorker] = []
+
+    def new_worker() -> IngestWorker:
+        w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
+        workers.append(w)
+        return w
+
+    yield settings, sessions, engine, new_worker
+    for w in workers:
+        w.lock.release()
+
+
+def _forget(sessions: Sessions, doc_id: int) -> str:
+    """What the forget route does: request it in its own unit of work."""
+    with sessions.begin() as s:
+        return DocumentRepository(s).request_forget(doc_id).status
+
+
+def _live_of(engine: FakeEngine, doc_id: int) -> int:
+    return sum(1 for e in engine._live() if e.doc_id == doc_id)
+
+
+@pytest.mark.parametrize("at", ["prepare", "store"])
+def test_a_forget_during_processing_withdraws_the_try_and_ends_forgotten(
+    any_setup: Setup, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    settings, sessions, engine, new_worker = any_setup
+    keep, doc_id = add(sessions, "k l m", "a b c d")
+    w = new_worker()
+    w.start(timeout=1)
+    assert isinstance(w.step(), Processed)  # keep: done, entries 0..2
+    statuses: list[str] = []
+    real = getattr(engine, f"{at}_document")
+
+    def forgotten_meanwhile(*a: object, **k: object) -> object:
+        if at == "prepare":  # before any entry exists
+            statuses.append(_forget(sessions, doc_id))
+            return real(*a, **k)
+        out = real(*a, **k)  # after the append, before the worker records it
+        statuses.append(_forget(sessions, doc_id))
+        return out
+
+    monkeypatch.setattr(engine, f"{at}_document", forgotten_meanwhile)
+    assert w.step() == Processed(doc_id, "withdrawn")
+    assert statuses == ["forgetting"]  # accepted (202), not refused as "being processed"
+    assert len(engine.entries) == 2 and _live_of(engine, doc_id) == 0  # this try's are cut
+    with sessions() as s:
+        d = _get(s, doc_id)
+        assert (d.status, d.claimed_by, d.entry_end, d.attempts) == ("forgetting", None, None, 1)
+    assert w.step() == Processed(doc_id, "forgotten", 0, 0)
+    assert w.step() is None
+    with sessions() as s:
+        d = _get(s, doc_id)
+        assert (d.status, d.text, d.tokens_stored) == ("forgotten", "", None)
+        assert _get(s, keep).status == "done"
+    assert engine.deleted == {doc_id}
+    assert day_rows(sessions) == [(1, 2, 2)]  # only the kept document is counted
+
+
+def test_a_forget_waits_for_a_live_claimant_and_not_for_a_dead_one(any_setup: Setup) -> None:
+    settings, sessions, engine, new_worker = any_setup
+    [doc_id] = add(sessions, "a b c")
+    alive = IngestWorker(engine, sessions, settings, name="w1", policy_factory=by_name)
+    alive.start(timeout=1)
+    with sessions.begin() as s:
+        assert DocumentRepository(s).claim_next("w1") is not None
+    assert _forget(sessions, doc_id) == "forgetting"
+    other = IngestWorker(engine, sessions, settings, name="w2", policy_factory=by_name)
+    other.start(timeout=1)
+    try:
+        assert other.step() is None  # w1's try may still append: its forget waits for it
+        with sessions() as s:
+            assert (_get(s, doc_id).status, _get(s, doc_id).claimed_by) == ("forgetting", "w1")
+        alive.lock.release()  # w1 dies mid-try: the forget is handed to the queue
+        assert other.step() is None
+        assert other.step() == Processed(doc_id, "forgotten", 0, 0)
+    finally:
+        other.lock.release()
+    with sessions() as s:
+        assert (_get(s, doc_id).status, _get(s, doc_id).text) == ("forgotten", "")
+
+
+def test_a_forget_racing_the_claim_never_leaves_a_document_served(any_setup: Setup) -> None:
+    """Forget each document at the moment a worker claims and processes it, many times.
+
+    The forget is a route's unit of work: the request, the route's own work (a pause of
+    0 to 2 ms), the commit. Before compare-and-set transitions, a forget that read
+    "pending" while the claim committed "processing" wrote "forgotten" over it, and the
+    worker's "done" then wrote over that: done, text cleared, entries served.
+    """
+    import random
+    import threading
+
+    settings, sessions, engine, new_worker = any_setup
+    w = new_worker()
+    w.start(timeout=1)
+    rng = random.Random(31)
+    refused, ids = 0, []
+    errors: list[BaseException] = []
+
+    def work(go: threading.Barrier) -> None:
+        go.wait()
+        try:
+            w.step()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    for i in range(150):
+        [doc_id] = add(sessions, f"r{i} s{i} t{i} u{i}")
+        ids.append(doc_id)
+        go = threading.Barrier(2)
+        t = threading.Thread(target=work, args=(go,))
+        t.start()
+        go.wait()
+        time.sleep(rng.uniform(0, 0.01))  # land before, during or after the claim
+        while True:
+            try:
+                with sessions.begin() as s:
+                    DocumentRepository(s).request_forget(doc_id)
+                    time.sleep(rng.uniform(0, 0.002))
+                break
+            except Conflict:  # the old answer for a document being processed: try again
+                refused += 1
+                time.sleep(0.001)
+        t.join(30)
+        assert errors == []
+        while w.step() is not None:  # the forget, and any withdrawn try's leftovers
+            pass
+    with sessions() as s:
+        rows = [_get(s, i) for i in ids]
+        ended = sorted({(d.status, d.text) for d in rows})
+    assert ended == [("forgotten", "")]
+    assert [i for i in ids if _live_of(engine, i)] == []
+    assert refused == 0
+
+
+def test_a_document_that_kills_its_worker_fails_after_the_last_try(any_setup: Setup) -> None:
+    """SIGKILL or the OOM killer during a try: no failure is recorded, yet the try counts
+    (at the claim), so the document fails after MEMLM_INGEST_MAX_ATTEMPTS instead of
+    going back to pending forever."""
+    settings, sessions, engine, new_worker = any_setup
+    settings.ingest_max_attempts = 3  # the worker reads the same settings object
+    killer, good = add(sessions, "a b c", "d e f")
+    for tries in (1, 2, 3):
+        w = new_worker()
+        released = w.start(timeout=1).released_documents
+        assert released == (0 if tries == 1 else 1)
+        with pytest.raises(SimulatedCrash):
+            w.step(crash_at="after_append")  # killed before it could record anything
+        w.lock.release()  # the process is gone: the kernel drops its lock
+        assert _doc_state(sessions, killer)[:2] == ("processing", tries)
+    last = new_worker()
+    assert last.start(timeout=1).released_documents == 0  # failed, not queued again
+    died = "the worker processing it died (killed, or out of memory)"
+    assert _doc_state(sessions, killer) == ("failed", 3, f"{died} during try 3 of 3; no tries left")
+    out = last.step()  # the queue goes on
+    assert isinstance(out, Processed) and (out.document_id, out.status) == (good, "done")
+    assert last.step() is None
+    assert _doc_state(sessions, good) == ("done", 0, None)
+    assert len(engine.entries) == 2  # the killed tries' entries were all cut
+
+
+def test_a_try_killed_once_then_retried_counts_one_failed_try(any_setup: Setup) -> None:
+    settings, sessions, engine, new_worker = any_setup
+    [doc_id] = add(sessions, "a b c")
+    w = new_worker()
+    w.start(timeout=1)
+    with pytest.raises(SimulatedCrash):
+        w.step(crash_at="after_append")
+    w.lock.release()
+    restarted = new_worker()
+    assert restarted.start(timeout=1).released_documents == 1
+    died = "the worker processing it died (killed, or out of memory)"
+    assert _doc_state(sessions, doc_id) == ("pending", 1, f"{died} during try 1 of 5")
+    assert restarted.step() == Processed(doc_id, "done", 2, 2, pytest.approx(0.0, abs=5.0))
+    assert _doc_state(sessions, doc_id) == ("done", 1, None)  # one failed try, as documented
