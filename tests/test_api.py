@@ -817,6 +817,47 @@ def test_forgetting_a_document_deletes_its_spans(env: Env) -> None:
         assert SpanRepository(s).many([doc_id]) == {}
 
 
+def test_a_forget_hides_nothing_until_it_is_committed(
+    any_env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Milvus hiding deletes the entries for good: a forget whose commit fails must
+    leave the document done with its entries, and forgettable again; a failure after the
+    commit leaves a forget that the worker completes."""
+    from sqlalchemy.orm import Session
+
+    env, c = any_env, any_env.client
+    doc_id = _memorise_cats(env)
+    hidden: list[list[int]] = []
+    env.engine.hide_documents = hidden.append  # type: ignore[attr-defined]
+    real_commit = Session.commit
+
+    def commit_fails(self: Session) -> None:
+        monkeypatch.setattr(Session, "commit", real_commit)
+        raise RuntimeError("connection lost at commit")
+
+    monkeypatch.setattr(Session, "commit", commit_fails)
+    r = c.delete(f"/admin/documents/{doc_id}", headers=ADMIN)
+    assert r.status_code == 500 and r.json()["error"] == "internal_error"
+    assert Session.commit is real_commit  # the failure hit the forget's own commit
+    assert hidden == []  # nothing left the memory
+    d = c.get(f"/documents/{doc_id}", headers=INGEST).json()
+    assert (d["status"], d["entry_start"], d["entry_end"]) == ("done", 0, 5)
+    served = c.post("/predict", json={"context": "the", "neighbours": 5}).json()["neighbours"]
+    assert [n["document_id"] for n in served] == [doc_id, doc_id]
+
+    def hide_fails(ids: list[int]) -> None:  # e.g. Milvus unreachable right after the commit
+        hidden.append(ids)
+        raise RuntimeError("hide failed")
+
+    env.engine.hide_documents = hide_fails  # type: ignore[attr-defined]
+    r = c.delete(f"/admin/documents/{doc_id}", headers=ADMIN)
+    assert r.status_code == 202 and r.json()["status"] == "forgetting"  # it is committed
+    assert hidden == [[doc_id]]
+    assert env.drain() == 1  # the worker's forget completes it
+    assert c.get(f"/documents/{doc_id}", headers=INGEST).json()["status"] == "forgotten"
+    assert c.post("/predict", json={"context": "the", "neighbours": 5}).json()["neighbours"] == []
+
+
 def test_unexpected_errors_never_leak(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("secret path /etc/shadow")
