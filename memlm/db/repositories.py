@@ -137,7 +137,7 @@ class DocumentRepository:
         mine = Document.claimed_by == worker
         if self._move(doc_id, ("processing",), mine, **values):
             return True
-        self._move(doc_id, ("forgetting",), mine, claimed_by=None, claimed_at=None)
+        self._move(doc_id, ("forgetting",), mine, claimed_by=None)
         return False
 
     def claim_next(self, worker: str) -> Document | None:
@@ -237,7 +237,7 @@ class DocumentRepository:
         self.s.execute(
             update(Document)
             .where(Document.status == "forgetting", Document.claimed_by.in_(names))
-            .values(claimed_by=None, claimed_at=None)
+            .values(claimed_by=None)
         )
         return released
 
@@ -342,11 +342,8 @@ class DocumentRepository:
             if status in ("forgetting", "forgotten"):
                 raise Conflict(f"document {doc_id} is already {status}")
             if status == "done":
-                values: dict[str, Any] = {
-                    "status": "forgetting",
-                    "claimed_by": None,
-                    "claimed_at": None,
-                }
+                # (claimed_at stays: with processed_at it times the try that memorised it)
+                values: dict[str, Any] = {"status": "forgetting", "claimed_by": None}
             elif status == "processing":
                 values = {"status": "forgetting"}  # the claimant stays: it settles the try
             else:  # nothing in the memory: the text goes now
