@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import make_url
 from sqlalchemy.orm import Session
@@ -49,13 +50,20 @@ def _own_sqlite_files(settings: Settings) -> frozenset[str]:
 
 
 def _check_backup(m: BackupManifest, src: Path, settings: Settings) -> None:
-    if m.memory.get("backend") != "faiss":
-        raise BackupError(f"{src}: a backup of a {m.memory.get('backend')} memory")
-    if parse_memory_url(settings.memory_url) is not None:
+    backend = m.memory.get("backend")
+    on_milvus = parse_memory_url(settings.memory_url) is not None
+    if backend not in ("faiss", "milvus"):
+        raise BackupError(f"{src}: a backup of a {backend} memory")
+    if backend == "faiss" and on_milvus:
         raise BackupError(
             "MEMLM_MEMORY_URL names a Milvus collection, and this backup holds the embedded "
             "faiss memory: restore it with MEMLM_MEMORY_URL unset, then move it into "
             "Milvus with `memlm migrate-memory`"
+        )
+    if backend == "milvus" and not on_milvus:
+        raise BackupError(
+            "this backup holds the entries of a Milvus memory: set MEMLM_MEMORY_URL to a "
+            "new (or empty) collection, milvus://host:port/collection"
         )
     if m.revision != head_revision():
         raise BackupError(
@@ -79,6 +87,7 @@ def restore(settings: Settings, src: Path, *, progress: Progress | None = None) 
     data_dir = settings.data_dir
     own_db = _own_sqlite_files(settings)
     require_empty_dir(data_dir, "the data directory", own_db)
+    target = _empty_collection(m, settings)
     engine = make_engine(settings.db_url)
     try:
         # (a SQLite file in a data directory not yet made does not exist yet: empty)
@@ -107,21 +116,53 @@ def restore(settings: Settings, src: Path, *, progress: Progress | None = None) 
                         )
                 reset_sequences(conn)
                 with Session(bind=conn) as s:
-                    end = DocumentRepository(s).committed_end()
-                with Datastore.open(data_dir / "memory" / "datastore", readonly=True) as ds:
-                    if len(ds) != end or end != m.memory["entries"]:
-                        raise BackupCorrupt(
-                            f"{src}: the datastore holds {len(ds)} entries, the committed "
-                            f"documents own {end}, the manifest records {m.memory['entries']}"
-                        )
+                    docs = DocumentRepository(s)
+                    end, stored = docs.committed_end(), sum(docs.stored_by_document().values())
+                if target is None:
+                    _check_datastore(src, data_dir, end, m.memory["entries"])
+                else:
+                    from memlm.backup.milvus import import_entries
+
+                    if import_entries(m, src, target) != stored:
+                        raise BackupCorrupt(f"{src}: the documents done stored {stored} entries")
         except BaseException:
             for p in data_dir.iterdir():  # the target was empty: all of it is ours
                 if p.name not in before:
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if target is not None:  # the collection was empty (or new) too
+                target.drop()
             raise
     finally:
         engine.dispose()
+        if target is not None:
+            target.close()
     return m
+
+
+def _empty_collection(m: BackupManifest, settings: Settings) -> Any:
+    """The target collection of a Milvus backup (made when missing); refused unless empty."""
+    url = parse_memory_url(settings.memory_url)
+    if url is None:
+        return None
+    from memlm.memory import open_milvus
+
+    target = open_milvus(url, int(m.memory["dim"]))
+    held = target.count()
+    if held:
+        target.close()
+        raise TargetNotEmpty(
+            f"the Milvus collection {url.collection} holds {held} entries; give a new one"
+        )
+    return target
+
+
+def _check_datastore(src: Path, data_dir: Path, end: int, entries: int) -> None:
+    with Datastore.open(data_dir / "memory" / "datastore", readonly=True) as ds:
+        if len(ds) != end or end != entries:
+            raise BackupCorrupt(
+                f"{src}: the datastore holds {len(ds)} entries, the committed documents own "
+                f"{end}, the manifest records {entries}"
+            )
 
 
 def _copy_files(m: BackupManifest, src: Path, data_dir: Path, progress: Progress) -> None:

@@ -16,7 +16,8 @@ versions and the calibrator's files are opened (no build in progress changes the
 stops builds and the last step of a forget, never an append.
 
 Entries beyond the committed end (a worker killed between its append and its commit)
-are cut from the copy, as the next worker start would cut them.
+are cut from the copy, as the next worker start would cut them. On Milvus the memory is
+the collection: see :mod:`memlm.backup.milvus`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection
+from sqlalchemy.orm import Session
 
 import memlm
 from memlm.backup.errors import BackupError
@@ -48,10 +50,11 @@ from memlm.datastore import LOCK, Datastore
 from memlm.datastore import MANIFEST as DATASTORE_MANIFEST
 from memlm.db.dump import committed_state, dump_table, snapshot_engine, tables
 from memlm.db.migrate import head_revision
+from memlm.db.repositories import DocumentRepository
 from memlm.index import list_versions
 from memlm.index.versions import version_name
 from memlm.locks import FileLock, LockBusy
-from memlm.memory import parse_memory_url
+from memlm.memory import MilvusURL, parse_memory_url
 from memlm.settings import Settings
 
 # How often the backup tries the datastore's write lock: workers hold it a few ms per
@@ -84,6 +87,7 @@ class _Snapshot:
     key_precision: str = ""
     committed_end: int = 0  # what the committed documents own (<= entries)
     versions: list[int] = field(default_factory=list)  # recorded and copied
+    stored: dict[int, int] = field(default_factory=dict)  # Milvus: documents done, entries
     paused: float = 0.0
 
 
@@ -105,41 +109,28 @@ def _open(snap: _Snapshot, root: Path, path: Path, length: int | None = None) ->
 
 
 def _take_snapshot(
-    conn: Connection, data_dir: Path, wait: float, while_paused: Callable[[], None] | None
+    conn: Connection,
+    data_dir: Path,
+    wait: float,
+    while_paused: Callable[[], None] | None,
+    on_milvus: bool,
 ) -> _Snapshot:
     from memlm.engine import BUILD_LOCK
 
     memory = data_dir / "memory"
-    ds_dir = memory / "datastore"
     snap = _Snapshot()
     build = FileLock(memory / BUILD_LOCK)
-    writer = FileLock(ds_dir / LOCK)
     _acquire(build, wait, "an index build")
     try:
-        _acquire(writer, wait, "a datastore writer")
-        t0 = time.monotonic()
-        try:
-            snap.datastore_manifest = (ds_dir / DATASTORE_MANIFEST).read_text(encoding="utf-8")
-            ds = Datastore.open(ds_dir, readonly=True)
-            try:
-                for path, length in ds.committed_files():
-                    _open(snap, data_dir, path, length)
-                snap.entries, snap.live, snap.dim = len(ds), ds.num_live, ds.dim
-                snap.deleted_documents, snap.key_precision = (
-                    ds.num_deleted_documents,
-                    ds.key_precision,
-                )
-            finally:
-                ds.close()
-            if (memory / LEXICAL).exists():  # updated with each append, under this lock
-                _open(snap, data_dir, memory / LEXICAL)
-            if while_paused is not None:  # tests: what others try while ingest is paused
-                while_paused()
+        if on_milvus:  # no lock to take: the documents done now say what to export
             revision = MigrationContext.configure(conn).get_current_revision()
-            snap.committed_end, recorded = committed_state(conn)
-        finally:
-            writer.release()
-            snap.paused = time.monotonic() - t0
+            with Session(bind=conn) as s:
+                snap.stored = DocumentRepository(s).stored_by_document()
+            recorded: set[int] = set()
+            if (memory / LEXICAL).exists():
+                _open(snap, data_dir, memory / LEXICAL)
+        else:
+            revision, recorded = _pause_ingest(snap, conn, data_dir, wait, while_paused)
         if revision != head_revision():
             raise BackupError(
                 f"the database is at migration {revision}, this memlm needs {head_revision()}:"
@@ -162,6 +153,39 @@ def _take_snapshot(
     return snap
 
 
+def _pause_ingest(
+    snap: _Snapshot,
+    conn: Connection,
+    data_dir: Path,
+    wait: float,
+    while_paused: Callable[[], None] | None,
+) -> tuple[str | None, set[int]]:
+    """The moment under the datastore's write lock (see the module docstring); returns
+    the database's migration revision and its recorded index versions."""
+    memory = data_dir / "memory"
+    ds_dir = memory / "datastore"
+    writer = FileLock(ds_dir / LOCK)
+    _acquire(writer, wait, "a datastore writer")
+    t0 = time.monotonic()
+    try:
+        snap.datastore_manifest = (ds_dir / DATASTORE_MANIFEST).read_text(encoding="utf-8")
+        with Datastore.open(ds_dir, readonly=True) as ds:
+            for path, length in ds.committed_files():
+                _open(snap, data_dir, path, length)
+            snap.entries, snap.live, snap.dim = len(ds), ds.num_live, ds.dim
+            snap.deleted_documents, snap.key_precision = ds.num_deleted_documents, ds.key_precision
+        if (memory / LEXICAL).exists():  # updated with each append, under this lock
+            _open(snap, data_dir, memory / LEXICAL)
+        if while_paused is not None:  # tests: what others try while ingest is paused
+            while_paused()
+        revision = MigrationContext.configure(conn).get_current_revision()
+        snap.committed_end, recorded = committed_state(conn)
+    finally:
+        writer.release()
+        snap.paused = time.monotonic() - t0
+    return revision, recorded
+
+
 def backup(
     settings: Settings,
     dest: Path,
@@ -175,17 +199,15 @@ def backup(
 
     ``wait``: seconds to wait for a running index build (or a compaction) to let go of
     its lock. ``while_paused`` (tests only) runs while the backup holds ingest paused.
+    On Milvus the entries of the documents done are exported from the collection
+    (:mod:`memlm.backup.milvus`).
     """
     dest = Path(dest)
     require_empty_dir(dest, "the backup destination")
-    if parse_memory_url(settings.memory_url) is not None:
-        raise BackupError(
-            "MEMLM_MEMORY_URL names a Milvus collection: its entries live in Milvus, not in "
-            "the data directory; see 'Backup and restore' in docs/service.md"
-        )
+    milvus = parse_memory_url(settings.memory_url)
     data_dir = settings.data_dir
     ds_dir = data_dir / "memory" / "datastore"
-    if not (ds_dir / DATASTORE_MANIFEST).exists():
+    if milvus is None and not (ds_dir / DATASTORE_MANIFEST).exists():
         raise BackupError(
             f"no datastore at {ds_dir}: nothing to back up (is MEMLM_DATA_DIR the service's?)"
         )
@@ -194,7 +216,7 @@ def backup(
     snap = _Snapshot()
     try:
         with db.connect() as conn, conn.begin():
-            snap = _take_snapshot(conn, data_dir, wait, while_paused)
+            snap = _take_snapshot(conn, data_dir, wait, while_paused, milvus is not None)
             if snap.committed_end > snap.entries:
                 raise BackupError(
                     f"the datastore holds {snap.entries} entries but the committed documents "
@@ -220,7 +242,10 @@ def backup(
         for o in snap.files:
             o.f.close()
         db.dispose()
-    files.update(_write_pointers(dest, snap))
+    if milvus is None:
+        memory = _finish_faiss(dest, snap, files)
+    else:
+        memory = _export_milvus(dest, snap, files, milvus, progress)
     fsync_tree(dest)
     manifest = BackupManifest(
         created_at=created,
@@ -228,18 +253,17 @@ def backup(
         revision=head_revision() or "",
         dialect=db.dialect.name,
         tables=counts,
-        memory={
-            "backend": "faiss",
-            "entries": snap.committed_end,
-            "live_entries": None,  # filled below, from the copy cut to the committed end
-            "deleted_documents": snap.deleted_documents,
-            "dim": snap.dim,
-            "key_precision": snap.key_precision,
-            "index_version": snap.versions[-1] if snap.versions else None,
-        },
+        memory=memory,
         paused_ingest_seconds=snap.paused,
         files=files,
     )
+    manifest.write(dest)
+    return manifest
+
+
+def _finish_faiss(dest: Path, snap: _Snapshot, files: dict[str, FileEntry]) -> dict[str, Any]:
+    """The pointer files, the cut of an uncommitted tail; the manifest's memory part."""
+    files.update(_write_pointers(dest, snap))
     ds_copy = dest / DATA / "memory" / "datastore"
     if snap.entries > snap.committed_end:
         _cut(ds_copy, snap.committed_end)
@@ -248,9 +272,41 @@ def backup(
             del files[rel]
         files.update({p.relative_to(dest).as_posix(): hash_file(p) for p in ds_copy.iterdir()})
     with Datastore.open(ds_copy, readonly=True) as ds:
-        manifest.memory["live_entries"] = ds.num_live
-    manifest.write(dest)
-    return manifest
+        live = ds.num_live
+    return {
+        "backend": "faiss",
+        "entries": snap.committed_end,
+        "live_entries": live,
+        "deleted_documents": snap.deleted_documents,
+        "dim": snap.dim,
+        "key_precision": snap.key_precision,
+        "index_version": snap.versions[-1] if snap.versions else None,
+    }
+
+
+def _export_milvus(
+    dest: Path, snap: _Snapshot, files: dict[str, FileEntry], url: MilvusURL, progress: Progress
+) -> dict[str, Any]:
+    from memlm.backup.milvus import export_entries
+    from memlm.memory import open_milvus
+
+    memory = open_milvus(url, None)
+    try:
+        with progress("export", 0) as advance:
+            parts, n = export_entries(memory, snap.stored, dest, advance)
+        dim = memory.dim
+    finally:
+        memory.close()
+    files.update(parts)
+    return {
+        "backend": "milvus",
+        "entries": n,
+        "live_entries": n,
+        "documents": len(snap.stored),
+        "dim": dim,
+        "collection": url.collection,
+        "index_version": None,
+    }
 
 
 def _size(f: IO[bytes]) -> int:
