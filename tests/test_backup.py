@@ -402,12 +402,6 @@ def test_a_damaged_backup_is_refused_and_leaves_the_target_empty(
         restore(_settings(tmp_path, "c", None), tmp_path / "backup")
 
 
-def test_milvus_memory_backup_says_where_the_entries_are(tmp_path: Path) -> None:
-    s = make_settings(tmp_path, "", database_url=None, memory_url="milvus://127.0.0.1:19530/memlm")
-    with pytest.raises(BackupError, match="Milvus collection"):
-        backup(s, tmp_path / "backup")
-
-
 def test_the_commands(tmp_path: Path, tiny: Any, services: list[Service]) -> None:
     from memlm.cli import app
 
