@@ -224,8 +224,11 @@ def create_app(
     for module in (documents, inference, generate, admin, health):
         app.include_router(module.router)
     app.include_router(dashboard_routes.router)
-    app.add_middleware(RequestSlots)
+    # Starlette runs the last added outermost. BodyGuard reads the whole body (up to
+    # MEMLM_MAX_BODY_BYTES) before the app sees it, so RequestSlots must be outside it:
+    # a refused request is answered 429 without its body ever being read.
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestSlots)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     app.add_middleware(CatchAll)  # outermost of ours: a 500 is a normal response
     return app

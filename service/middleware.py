@@ -132,9 +132,10 @@ class RequestMetrics:
 class RequestSlots:
     """Hold one of the model executor's request slots for each model request (429 if refused).
 
-    A middleware rather than a dependency: the refusal costs no body parsing, and the slot
-    covers the whole request (reading the body, validation, the response), which is
-    where requests wait when the event loop, not the model, is the bottleneck.
+    A middleware rather than a dependency, and outside ``BodyGuard`` (``create_app``):
+    a refused request is answered before a byte of its body is read, and the slot covers
+    the whole request (reading the body, validation, the response), which is where
+    requests wait when the event loop, not the model, is the bottleneck.
     """
 
     def __init__(
