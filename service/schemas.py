@@ -224,6 +224,9 @@ class WordSuggestionOut(BaseModel):
 
 
 class NeighbourOut(BaseModel):
+    """A memorised entry and its provenance: only for callers with read access (401
+    otherwise, even where reads are open; docs/service.md)."""
+
     entry_id: int
     document_id: int
     token: str
@@ -234,8 +237,8 @@ class NeighbourOut(BaseModel):
     source: str | None = None
     snippet: str | None = Field(
         default=None,
-        description="the document's text around the token, marked [[ ]]; outside "
-        "development only for callers with a read, ingest or admin token",
+        description="the document's text around the token, marked [[ ]]; null for a "
+        "document being forgotten",
     )
 
 

@@ -59,7 +59,8 @@ def env(tmp_path: Path, sqlite_url: str) -> Iterator[Env]:
 
 def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) -> None:
     c = env.client
-    before = c.post("/predict", json={"context": "we saw the", "neighbours": 5}).json()
+    before = c.post("/predict", headers=READ, json={"context": "we saw the", "neighbours": 5})
+    before = before.json()
     assert before["lambda"] == 0.0
     assert before["neighbours"] == []
     assert {s["token"]: s["prob"] for s in before["suggestions"]}["the"] == pytest.approx(1 / 6)
@@ -130,7 +131,7 @@ def test_full_flow_ingest_worker_rebuild_predict_score_stats_forget(env: Env) ->
     st = c.get("/admin/stats", headers=ADMIN).json()
     assert (st["entries"], st["tokens_stored"], st["entries_forgotten"]) == (0, 5, 5)
     assert st["entries"] == st["tokens_stored"] - st["entries_forgotten"]
-    gone = c.post("/predict", json={"context": "the", "neighbours": 5}).json()
+    gone = c.post("/predict", headers=READ, json={"context": "the", "neighbours": 5}).json()
     assert gone["neighbours"] == [] and gone["lambda"] == 0.0
     again = c.delete(f"/admin/documents/{accepted['id']}", headers=ADMIN)
     assert again.status_code == 409 and again.json()["error"] == "conflict"
@@ -715,19 +716,50 @@ def test_reads_need_a_token_outside_development(
             assert c.post("/score", headers=token, json={"text": "a b"}).status_code == 200
 
 
-def test_open_reads_outside_development_give_no_snippets(env: Env) -> None:
+NEIGHBOURS_NEED_READ = {
+    "error": "unauthorized",
+    "detail": "neighbours name memorised documents and tokens: asking for them needs a "
+    "read, ingest or admin bearer token (without one, only suggestions are answered)",
+}
+
+
+def test_open_reads_answer_neighbours_only_to_readers(env: Env) -> None:
+    """Where reads are open (MEMLM_PROTECT_READ=false outside development) a caller without
+    a token gets suggestions only: a neighbour's token, document and position rebuild what
+    was memorised, so asking for neighbours is refused before any model work."""
     c = env.client  # protect_read=False, env "test"
     doc_id = _memorise_cats(env)
-    anyone = c.post("/predict", json=PREDICT).json()["neighbours"]
-    assert [(n["document_id"], n["token"], n["title"]) for n in anyone] == [
-        (doc_id, "cat", "Cats"),
-        (doc_id, "mat", "Cats"),
-    ]
-    assert [n["snippet"] for n in anyone] == [None, None]
-    wrong = c.post("/predict", headers={"Authorization": "Bearer wrong"}, json=PREDICT)
-    assert [n["snippet"] for n in wrong.json()["neighbours"]] == [None, None]
+    asked: list[int] = []  # neighbours asked of the model, per call
+    predict = env.engine.predict
+
+    def counted(context: str, **kw: Any) -> Any:
+        asked.append(kw.get("neighbours", 0))
+        return predict(context, **kw)
+
+    env.engine.predict = counted  # type: ignore[method-assign]
+    wrong = {"Authorization": "Bearer wrong"}
+    for headers in ({}, wrong):
+        r = c.post("/predict", headers=headers, json=PREDICT)
+        assert (r.status_code, r.json()) == (401, NEIGHBOURS_NEED_READ)
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+        body = {"context": "we saw the", "max_tokens": 2, "neighbour": True}
+        for stream in (False, True):
+            r = c.post("/generate", headers=headers, json={**body, "stream": stream})
+            assert (r.status_code, r.json()) == (401, NEIGHBOURS_NEED_READ)
+        anyone = c.post("/predict", headers=headers, json={**PREDICT, "neighbours": 0}).json()
+        assert anyone["neighbours"] == [] and anyone["lambda"] == 0.5
+        assert anyone["suggestions"][0]["token"] == "cat"  # the model's output stays
+        gen = c.post("/generate", headers=headers, json={**body, "neighbour": False}).json()
+        assert [t["neighbour"] for t in gen["tokens"]] == [None, None]
+    assert asked == [0] * 6  # 1 + 2 per caller: the refused requests never reached the model
     reader = c.post("/predict", headers=READ, json=PREDICT).json()["neighbours"]
+    assert [(n["document_id"], n["token"], n["position"], n["title"]) for n in reader] == [
+        (doc_id, "cat", 1, "Cats"),
+        (doc_id, "mat", 5, "Cats"),
+    ]
     assert [n["snippet"] for n in reader] == SNIPPETS
+    gen = c.post("/generate", headers=READ, json={**body, "neighbour": True}).json()
+    assert [t["neighbour"]["document_id"] for t in gen["tokens"]] == [doc_id, doc_id]
 
 
 def test_development_reads_are_open_with_snippets(tmp_path: Path, sqlite_url: str) -> None:
@@ -767,10 +799,11 @@ def test_neighbours_per_request_are_bounded(tmp_path: Path, sqlite_url: str) -> 
 
 
 def test_default_neighbours_bound(env: Env) -> None:
-    r = env.client.post("/predict", json={"context": "a", "neighbours": 101})
+    r = env.client.post("/predict", headers=READ, json={"context": "a", "neighbours": 101})
     assert r.status_code == 422
     assert r.json()["detail"] == "neighbours: 101 asked; at most 100 (MEMLM_MAX_NEIGHBOURS)"
-    assert env.client.post("/predict", json={"context": "a", "neighbours": 100}).status_code == 200
+    r = env.client.post("/predict", headers=READ, json={"context": "a", "neighbours": 100})
+    assert r.status_code == 200
 
 
 def test_documents_without_stored_spans_are_tokenised_once_off_the_event_loop(env: Env) -> None:

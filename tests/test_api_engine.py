@@ -75,7 +75,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
     for env in _env(settings, tiny):
         c = env.client
         context = TEXT[: TEXT.index(" interest")]  # "... raised its key"
-        before = c.post("/predict", json={"context": context, "neighbours": 3}).json()
+        before = c.post("/predict", headers=READ, json={"context": context, "neighbours": 3}).json()
         assert before["lambda"] == 0.0 and before["neighbours"] == []
 
         [acc] = c.post(
@@ -135,7 +135,7 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert env.drain() == 1
         st = c.get("/admin/stats", headers=ADMIN).json()
         assert st["entries"] == 0 == st["tokens_stored"] - st["entries_forgotten"]
-        gone = c.post("/predict", json={"context": context, "neighbours": 3}).json()
+        gone = c.post("/predict", headers=READ, json={"context": context, "neighbours": 3}).json()
         assert gone["neighbours"] == [] and gone["lambda"] == 0.0
 
 
@@ -287,6 +287,7 @@ def test_bundled_smollm2_neighbours_come_from_the_ingested_article(
         assert st["entries"] == st["tokens_stored"]
         pred = c.post(
             "/predict",
+            headers=READ,
             json={"context": "Heavy snow closed schools in the north of", "neighbours": 5},
         ).json()
         assert pred["neighbours"] and pred["neighbours"][0]["document_id"] == ids[1]
@@ -341,23 +342,26 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
         assert all(k.tobytes() in blob for k in keys32)
         context = SECRET[: SECRET.index(" Lane")]
         ask = {"context": context, "neighbours": 8}
-        before = c.post("/predict", json=ask).json()
+        before = c.post("/predict", headers=READ, json=ask).json()
         assert before["neighbours"][0]["document_id"] == ids[1]
 
         # Right after the request, before any worker step: never a neighbour again.
         assert c.delete(f"/admin/documents/{ids[1]}", headers=ADMIN).json()["status"] == (
             "forgetting"
         )
-        now = c.post("/predict", json=ask).json()
+        now = c.post("/predict", headers=READ, json=ask).json()
         assert len(now["neighbours"]) == 8
         assert ids[1] not in {n["document_id"] for n in now["neighbours"]}
         # A forget another API process accepted is hidden here at the next index sync.
         snow = {"context": OTHER[: OTHER.index(" schools")], "neighbours": 8}
-        assert c.post("/predict", json=snow).json()["neighbours"][0]["document_id"] == ids[2]
+        assert (
+            c.post("/predict", headers=READ, json=snow).json()["neighbours"][0]["document_id"]
+            == ids[2]
+        )
         with env.client.app.state.memlm.sessions.begin() as s:  # type: ignore[attr-defined]
             DocumentRepository(s).request_forget(ids[2])
         env.sync()
-        hidden = c.post("/predict", json=snow).json()["neighbours"]
+        hidden = c.post("/predict", headers=READ, json=snow).json()["neighbours"]
         assert len(hidden) == 8 and ids[2] not in {n["document_id"] for n in hidden}
         n_other = c.get(f"/documents/{ids[2]}", headers=ADMIN).json()["tokens_stored"]
 
@@ -385,7 +389,7 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
             "Hedge",
             len(span),
         )
-        after = c.post("/predict", json=ask).json()
+        after = c.post("/predict", headers=READ, json=ask).json()
         assert ids[1] not in {n["document_id"] for n in after["neighbours"]}
 
 

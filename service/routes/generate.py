@@ -30,7 +30,7 @@ from service.generate_schemas import (
     GenerateRequest,
     GenerateResponse,
 )
-from service.provenance import provenance
+from service.provenance import check_neighbour_access, provenance
 from service.routes.inference import off_loop_if_long, request_cost
 from service.schemas import NeighbourOut
 from service.state import AppState
@@ -73,14 +73,12 @@ def _config(body: GenerateRequest) -> GenerateConfig:
     )
 
 
-async def _token_outs(
-    state: AppState, tokens: Sequence[GeneratedToken], may_read: bool
-) -> list[GeneratedTokenOut]:
+async def _token_outs(state: AppState, tokens: Sequence[GeneratedToken]) -> list[GeneratedTokenOut]:
     found = [t.neighbour for t in tokens if t.neighbour is not None]
     nbrs: list[NeighbourOut] = []
     if found:  # database reads and snippets: a worker thread, not the event loop
         nbrs = await run_in_threadpool(
-            partial(provenance, snippets=may_read),
+            provenance,
             state.sessions,
             found,
             state.cached["span_cache"],
@@ -101,16 +99,14 @@ async def _token_outs(
     ]
 
 
-async def _chunks(
-    state: AppState, gen: Any, may_read: bool
-) -> AsyncIterator[list[GeneratedTokenOut]]:
+async def _chunks(state: AppState, gen: Any) -> AsyncIterator[list[GeneratedTokenOut]]:
     """The continuation's tokens, a chunk per model-thread job, until it is done."""
     n = state.settings.generate_chunk_tokens
     while not gen.done:
         tokens = await state.executor.call(
             partial(gen.step, n), kind=GENERATE_STEP, cost=n, admitted=True
         )
-        yield await _token_outs(state, tokens, may_read)
+        yield await _token_outs(state, tokens)
 
 
 def _done(gen: Any, produced: int) -> GenerateDone:
@@ -130,10 +126,10 @@ def _event(name: str, data: str) -> bytes:
     return format_sse_event(event=name, data_str=data)
 
 
-async def _stream(state: AppState, gen: Any, may_read: bool) -> AsyncIterator[bytes]:
+async def _stream(state: AppState, gen: Any) -> AsyncIterator[bytes]:
     produced = 0
     try:
-        async for chunk in _chunks(state, gen, may_read):
+        async for chunk in _chunks(state, gen):
             for tok in chunk:
                 produced += 1
                 yield _event("token", tok.model_dump_json(by_alias=True))
@@ -154,7 +150,11 @@ async def _stream(state: AppState, gen: Any, may_read: bool) -> AsyncIterator[by
 async def generate(
     body: GenerateRequest, state: State, engine: EngineDep, may_read: ReadAccess
 ) -> Any:
-    """Up to ``max_tokens`` tokens, greedy or sampled, each with its LM and memory share."""
+    """Up to ``max_tokens`` tokens, greedy or sampled, each with its LM and memory share.
+
+    `neighbour: true` names memorised documents and tokens: it needs read access (a read,
+    ingest or admin token; anyone in development), else 401 even where reads are open.
+    """
     limit = state.settings.max_generate_tokens
     if body.max_tokens > limit:
         raise InvalidRequest(
@@ -163,6 +163,8 @@ async def generate(
     chars = state.settings.max_context_chars
     if len(body.context) > chars:
         raise PayloadTooLarge(f"context has {len(body.context)} characters; at most {chars}")
+    if body.neighbour:
+        check_neighbour_access(may_read)
     executor = state.executor
     executor.check(GENERATE)  # refuse an overloaded queue before tokenising
     tokens = await off_loop_if_long(body.context, partial(engine.count_tokens, body.context))
@@ -179,11 +181,11 @@ async def generate(
     )
     if body.stream:
         return StreamingResponse(
-            _stream(state, gen, may_read),
+            _stream(state, gen),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     out: list[GeneratedTokenOut] = []
-    async for chunk in _chunks(state, gen, may_read):
+    async for chunk in _chunks(state, gen):
         out.extend(chunk)
     return GenerateResponse(**_done(gen, len(out)).model_dump(), tokens=out)

@@ -17,7 +17,7 @@ from memlm.knnlm import MemoryOptions
 from memlm.settings import Settings
 from service.deps import EngineDep, ReadAccess, ReadAuth, State
 from service.errors import InvalidRequest, PayloadTooLarge, error_responses
-from service.provenance import provenance
+from service.provenance import check_neighbour_access, provenance
 from service.schemas import (
     MemoryOptionsIn,
     MemoryOut,
@@ -141,13 +141,19 @@ def _check_size(state: AppState, text: str, name: str) -> None:
 async def predict(
     body: PredictRequest, state: State, engine: EngineDep, may_read: ReadAccess
 ) -> PredictResponse:
-    """Top-N next tokens under the LM, the memory and their interpolation."""
+    """Top-N next tokens under the LM, the memory and their interpolation.
+
+    `neighbours` above 0 name memorised documents and tokens: they need read access (a
+    read, ingest or admin token; anyone in development), else 401 even where reads are open.
+    """
     _check_size(state, body.context, "context")
     limit = state.settings.max_neighbours
     if body.neighbours > limit:
         raise InvalidRequest(
             f"neighbours: {body.neighbours} asked; at most {limit} (MEMLM_MAX_NEIGHBOURS)"
         )
+    if body.neighbours:
+        check_neighbour_access(may_read)
     executor = state.executor
     executor.check(PREDICT)  # refuse an overloaded queue before tokenising
     fit = await off_loop_if_long(
@@ -162,7 +168,7 @@ async def predict(
     neighbours: list[NeighbourOut] = []
     if pred.neighbours:  # database reads and snippets: a worker thread, not the event loop
         neighbours = await run_in_threadpool(
-            partial(provenance, snippets=may_read),
+            provenance,
             state.sessions,
             pred.neighbours,
             state.cached["span_cache"],
