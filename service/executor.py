@@ -15,6 +15,16 @@ request is refused when (requests in flight + 1) x the measured seconds per requ
 exceeds the same budget (Little's law: the wait of a request that joins L others
 served at rate mu is about (L + 1) / mu, whatever the bottleneck is).
 
+A request that runs as several jobs (a /generate: its context, then its steps) is
+admitted once, by its whole cost: its first job's cost plus a *reservation* for the
+parts it will queue later (:meth:`ModelExecutor.start`). Its parts are then never
+refused (a refusal half-way would lose the work done), but until it ends it holds one
+place under the queue cap, and what it has reserved and not yet queued counts ahead of
+every later request that reserves too (nor is such a request taken "because the thread
+is idle" while one is open). A /predict still sees only the jobs queued ahead of it:
+the parts of a generation are queued one at a time, so it waits for at most one part of
+each, and the open generations' whole cost fits the budget they were admitted under.
+
 Thread safety by design: the queue's bookkeeping (costs waiting, the batch running, the
 service-time estimates) is touched only under ``self._lock``, by the event loop when it
 admits and by the model thread when it takes and finishes jobs.
@@ -29,6 +39,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -92,6 +103,7 @@ class _Job:
     # Set by the event loop when the awaiting request was cancelled (the client left);
     # the model thread then skips the job. A plain flag: a late read only runs it anyway.
     abandoned: bool = False
+    held: _Held | None = None  # the reservation this job is a part of
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -102,6 +114,52 @@ def _resolve(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+@dataclass(eq=False)
+class _Held:
+    """The books of one reservation (touched only under the executor's lock)."""
+
+    kind: str
+    left: int  # cost reserved and not queued yet
+    waiting: int = 0  # its parts in the queue now
+    ended: bool = False  # closed by its request, or its Reservation was collected
+
+
+class Reservation:
+    """What an admitted request reserved for the parts it queues later (:meth:`call`);
+    :meth:`close` gives back what they did not use (a generation that stops early)."""
+
+    def __init__(self, executor: ModelExecutor, held: _Held) -> None:
+        self._executor = executor
+        self._held = held
+        # A request that never closes it (a stream whose client left before it began:
+        # its generator never runs) must not hold the budget for ever. The callback only
+        # flags the books: the collector may run while this thread holds the lock.
+        weakref.finalize(self, _end, held)
+
+    @property
+    def left(self) -> int:
+        """The cost still reserved."""
+        return self._held.left
+
+    async def call(self, fn: Callable[..., T], *args: Any, cost: int) -> T:
+        """Queue ``fn(*args)`` as a part of the request, whatever the load (its cost
+        comes out of the reservation; more than is left is queued all the same)."""
+        return await self._executor._part(self._held, fn, args, cost)
+
+    def close(self) -> None:
+        self._executor._release(self._held)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _end(held: _Held) -> None:
+    held.ended = True
 
 
 class ModelExecutor:
@@ -140,6 +198,7 @@ class ModelExecutor:
         self._started = 0.0
         self._in_flight = 0  # requests holding a slot (``request()``)
         self._mark = 0.0  # the last completion, or the start of the busy period
+        self._held: list[_Held] = []  # open reservations (see ``_settle``)
         # ---
         self._closing = False
         self.batches: list[int] = []  # sizes of the last batches run (for tests and logs)
@@ -224,27 +283,67 @@ class ModelExecutor:
                 left += cost * per
         return left
 
-    def _refusal(self, kind: str, cost: int, now: float) -> Overloaded | None:
-        """Why a request of ``cost`` is not queued now, or None (lock held)."""
-        if not self._busy and self._waiting == 0:
+    def _settle(self) -> None:
+        """Forget the reservations that ended (lock held)."""
+        if not any(h.ended for h in self._held):
+            return
+        for h in self._held:
+            if h.ended and self.times.per_cost(h.kind) is None:
+                # its kind was let in untimed on its account, and no part of it will run
+                # (a part still queued belongs to a request that left: it is skipped)
+                self._unmeasured.discard(h.kind)
+        self._held = [h for h in self._held if not h.ended]
+
+    def _reserved(self) -> float:
+        """Expected seconds of the parts that open reservations will still queue (lock held)."""
+        left = 0.0
+        for h in self._held:
+            per = self.times.per_cost(h.kind)
+            if h.left and per is not None:
+                left += h.left * per
+        return left
+
+    def _places(self) -> int:
+        """Places taken under the queue cap (lock held): the jobs waiting, where each open
+        reservation counts once, whether a part of it is queued right now or not."""
+        return self._waiting - sum(h.waiting for h in self._held) + len(self._held)
+
+    def _refusal(
+        self, kind: str, cost: int, now: float, later: tuple[str, int] | None = None
+    ) -> Overloaded | None:
+        """Why a request of ``cost`` (and ``later``: the kind and cost of the parts it will
+        queue afterwards) is not admitted now, or None (lock held)."""
+        self._settle()
+        if not self._busy and self._waiting == 0 and (later is None or not self._held):
             return None  # idle: any request, however large (the token limits bound it)
-        ahead = self._ahead(now)
+        # A request that reserves waits behind the others' reservations too: their parts
+        # take turns with its own until they end. One that does not waits only for the
+        # jobs queued ahead of it (first in, first out).
+        ahead = self._ahead(now) + (0.0 if later is None else self._reserved())
         retry = max(self.min_retry_after, math.ceil(ahead))
-        if self._waiting >= self.queue_size:
+        if self._places() >= self.queue_size:
             return Overloaded(
                 f"the model queue is full ({self.queue_size} requests); retry in {retry} s",
                 retry_after=retry,
             )
-        per = self.times.per_cost(kind)
-        if per is None:
-            if kind in self._unmeasured:
+        own = 0.0
+        for k, c in [(kind, cost)] if later is None else [(kind, cost), later]:
+            per = self.times.per_cost(k)
+            if per is not None:
+                own += c * per
+            elif k in self._unmeasured:
                 return Overloaded(
                     "the server is timing its first requests; retry shortly",
                     retry_after=retry,
                 )
-            own = 0.0
-        else:
-            own = cost * per
+        if later is not None and own > self.budget_s:
+            return Overloaded(
+                f"the server is busy: this request would take about {own:.1f} s by itself, "
+                f"over the {self.budget_s:g} s budget, so it is taken only when the model "
+                "has nothing else queued or reserved; ask for fewer tokens or retry in "
+                f"{retry} s",
+                retry_after=retry,
+            )
         if ahead + own > self.budget_s:
             return Overloaded(
                 f"the server is busy: this request would wait about {ahead + own:.1f} s, "
@@ -259,27 +358,60 @@ class ModelExecutor:
         with self._lock:
             return max(self.min_retry_after, math.ceil(self._ahead(self.clock())))
 
-    def check(self, kind: str, cost: int = 0) -> None:
-        """Raise :class:`Overloaded` if a request of ``cost`` would be refused now.
+    def check(self, kind: str, cost: int = 0, later: tuple[str, int] | None = None) -> None:
+        """Raise :class:`Overloaded` if a request of ``cost`` (and ``later``, as for
+        :meth:`start`) would be refused now.
 
         Lets a route refuse before it spends time on a request (tokenising it).
         """
         with self._lock:
-            refusal = self._refusal(kind, cost, self.clock())
+            refusal = self._refusal(kind, cost, self.clock(), later)
         if refusal is not None:
             raise refusal
 
-    def _put(self, job: _Job, admit: bool) -> None:
+    def _enqueue(self, job: _Job) -> None:
+        """Put ``job`` in the queue and its books (lock held)."""
+        self._waiting += 1
+        self._queued_cost[job.kind] = self._queued_cost.get(job.kind, 0) + job.cost
+        if job.held is not None:
+            job.held.waiting += 1
+        self._q.put(job)
+
+    def _put(self, job: _Job, admit: bool, later: tuple[str, int] | None = None) -> None:
         with self._lock:
             if admit:
-                refusal = self._refusal(job.kind, job.cost, self.clock())
+                refusal = self._refusal(job.kind, job.cost, self.clock(), later)
                 if refusal is not None:
                     raise refusal
-                if self.times.per_cost(job.kind) is None:
-                    self._unmeasured.add(job.kind)
-            self._waiting += 1
-            self._queued_cost[job.kind] = self._queued_cost.get(job.kind, 0) + job.cost
-            self._q.put(job)
+                for kind in [job.kind] if later is None else [job.kind, later[0]]:
+                    if self.times.per_cost(kind) is None:
+                        self._unmeasured.add(kind)
+            if later is not None:
+                job.held = _Held(*later)
+                self._held.append(job.held)
+            self._enqueue(job)
+
+    async def _part(self, held: _Held, fn: Callable[..., T], args: tuple[Any, ...], cost: int) -> T:
+        """Queue a part of a reserved request, never refused (``Reservation.call``)."""
+        assert cost >= 1
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, loop, loop.create_future(), kind=held.kind, cost=cost, held=held)
+        with self._lock:
+            held.left = max(0, held.left - cost)
+            self._enqueue(job)
+        result: T = await self._await(job)
+        return result
+
+    def _release(self, held: _Held) -> None:
+        with self._lock:
+            held.ended = True
+            self._settle()
+
+    def reserved(self) -> int:
+        """Open reservations (requests admitted for parts they have not all queued)."""
+        with self._lock:
+            self._settle()
+            return len(self._held)
 
     async def _await(self, job: _Job) -> Any:
         try:
@@ -295,23 +427,43 @@ class ModelExecutor:
         kind: str = "call",
         cost: int = 1,
         wait: bool = False,
-        admitted: bool = False,
     ) -> T:
         """Run ``fn(*args)`` on the model thread, admitted by its ``cost``.
 
         ``wait=True``: an internal job (index sync), queued whatever the load, not timed.
-        ``admitted=True``: a later piece of a request already admitted (the steps of a
-        /generate after its first job): queued whatever the load, as a refusal half-way
-        would lose the work done, but counted and timed under ``kind`` like any job.
         """
         assert cost >= 1
         loop = asyncio.get_running_loop()
         job = _Job(fn, args, loop, loop.create_future())
         if not wait:
             job.kind, job.cost = kind, cost
-        self._put(job, admit=not (wait or admitted))
+        self._put(job, admit=not wait)
         result: T = await self._await(job)
         return result
+
+    async def start(
+        self, fn: Callable[..., T], *args: Any, kind: str, cost: int, later: tuple[str, int]
+    ) -> tuple[T, Reservation]:
+        """Run ``fn(*args)``, the first job of a request that goes on in parts (a
+        /generate: its context, then its steps), admitted by its whole cost: ``cost`` of
+        ``kind`` now, and ``later`` = (kind, cost) reserved for the parts.
+
+        The parts are queued by :meth:`Reservation.call`, never refused; close the
+        reservation when the request ends. :class:`Overloaded` if refused.
+        """
+        assert cost >= 1 and later[1] >= 0
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, loop, loop.create_future(), kind=kind, cost=cost)
+        self._put(job, admit=True, later=later)
+        assert job.held is not None
+        # the first job is a part of it too: the request holds one place under the cap
+        reservation = Reservation(self, job.held)
+        try:
+            result: T = await self._await(job)
+        except BaseException:
+            reservation.close()
+            raise
+        return result, reservation
 
     async def batched(
         self,
@@ -373,6 +525,8 @@ class ModelExecutor:
             for j in jobs:
                 self._waiting -= 1
                 self._queued_cost[j.kind] -= j.cost
+                if j.held is not None:
+                    j.held.waiting -= 1
                 per = self.times.per_cost(j.kind)
                 if not j.abandoned and per is not None:
                     expected += j.cost * per

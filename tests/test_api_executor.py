@@ -7,6 +7,7 @@ exact, nothing depends on how fast this machine is.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -263,6 +264,185 @@ def test_request_slots_by_requests_in_flight_times_seconds_per_request() -> None
         assert ex.in_flight() == 0
     finally:
         ex.close()
+
+
+# --- requests in parts (a /generate): admitted by their whole cost ---------------------------
+
+
+def _timed_executor(**kw: Any) -> tuple[ModelExecutor, Clock]:
+    """A 2 s budget; "p" costs 1/128 s a unit, "g" (a context) 1/128, "s" (a step) 1/32."""
+    clock = Clock()
+    ex = ModelExecutor(**{"queue_size": 64, "max_batch": 1, "budget_s": 2.0, "clock": clock, **kw})
+    ex.observe("p", 128, 1.0)
+    ex.observe("g", 128, 1.0)
+    ex.observe("s", 32, 1.0)
+    return ex, clock
+
+
+def _fits(ex: ModelExecutor, kind: str, cost: int, later: tuple[str, int]) -> bool:
+    try:
+        ex.check(kind, cost, later)
+    except Overloaded:
+        return False
+    return True
+
+
+def test_a_request_in_parts_is_admitted_by_its_whole_cost() -> None:
+    """Its reservation counts ahead of later requests that reserve, not of a /predict
+    (first in, first out: a /predict waits for the parts queued, one per generation)."""
+    ex, _ = _timed_executor()
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=64))  # 0.5 s
+        await _until(block.started.is_set)
+        # 0.5 ahead + 64/128 s now + 32/32 s of steps later: 2.0 s, admitted
+        first = asyncio.ensure_future(ex.start(len, "abc", kind="g", cost=64, later=("s", 32)))
+        await _until(lambda: ex.depth() == 1)
+        assert ex.reserved() == 1
+        with pytest.raises(Overloaded) as info:  # 0.5 + 0.5 + 1.0 reserved, + 1.5 own
+            await ex.start(len, "x", kind="g", cost=64, later=("s", 32))
+        assert info.value.retry_after == 2  # the queue drains in 1 s; the steps do not wait
+        assert str(info.value) == (
+            "the server is busy: this request would wait about 3.5 s, over the 2 s budget; "
+            "retry in 2 s"
+        )
+        with pytest.raises(Overloaded):  # refused before any work, as the route does
+            ex.check("g", 0, later=("s", 32))
+        ex.check("g", 0, later=("s", 0))  # 2.0 s ahead with the reservation: still fits
+        predict = asyncio.ensure_future(ex.call(len, "ab", kind="p", cost=64))  # 0.5+0.5+0.5
+        await _until(lambda: ex.depth() == 2)
+        block.gate.set()
+        assert (await running, await predict) == ("done", 2)
+        n, steps = await first
+        assert n == 3 and steps.left == 32
+        assert await steps.call(len, "abcd", cost=8) == 4  # a part: drawn from the 32
+        assert steps.left == 24 and ex.reserved() == 1
+        steps.close()  # it stopped early: the 24 left are given back
+        assert ex.reserved() == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+    assert ex.per_cost("s") == pytest.approx(ex.per_cost("s") or 0)  # the part was timed
+
+
+def test_a_request_over_the_budget_by_itself_runs_only_when_nothing_is_reserved() -> None:
+    """A dozen long generations cannot pile up: each is taken only by an idle executor,
+    and one open generation keeps the next from counting as idle."""
+    ex, clock = _timed_executor()
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=64))
+        await _until(block.started.is_set)
+        for _ in range(12):  # 64/128 + 256/32 = 8.5 s each
+            with pytest.raises(Overloaded) as info:
+                await ex.start(len, "x", kind="g", cost=64, later=("s", 256))
+            assert str(info.value) == (
+                "the server is busy: this request would take about 8.5 s by itself, over "
+                "the 2 s budget, so it is taken only when the model has nothing else queued "
+                "or reserved; ask for fewer tokens or retry in 1 s"
+            )
+        assert ex.depth() == 0 and ex.reserved() == 0
+        block.gate.set()
+        await running
+        await _until(lambda: _fits(ex, "g", 64, ("s", 256)))  # the thread has let go
+        # idle: taken alone, however long
+        _, long = await ex.start(len, "x", kind="g", cost=64, later=("s", 256))
+        assert ex.depth() == 0 and ex.reserved() == 1  # between two parts: the thread idles
+        clock.t = 10.0  # its first job is long done
+        with pytest.raises(Overloaded) as info:  # 8 s reserved ahead
+            await ex.start(len, "x", kind="g", cost=1, later=("s", 1))
+        assert info.value.retry_after == 8
+        assert await ex.call(len, "abc", kind="p", cost=64) == 3  # a /predict is served
+        long.close()
+        _, short = await ex.start(len, "x", kind="g", cost=1, later=("s", 1))
+        short.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+
+
+def test_open_requests_in_parts_hold_their_places_under_the_queue_cap() -> None:
+    ex, _ = _timed_executor(queue_size=2, budget_s=1000.0)
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="p", cost=1))
+        await _until(block.started.is_set)
+        first = [
+            asyncio.ensure_future(ex.start(len, x, kind="g", cost=1, later=("s", 8))) for x in "ab"
+        ]
+        await _until(lambda: ex.depth() == 2)
+        with pytest.raises(Overloaded) as info:
+            await ex.call(len, "z", kind="p", cost=1)
+        assert str(info.value) == "the model queue is full (2 requests); retry in 1 s"
+        block.gate.set()
+        await running
+        (_, a), (_, b) = [await f for f in first]
+        with pytest.raises(Overloaded) as info:  # two open, none of their parts queued
+            await ex.start(len, "c", kind="g", cost=1, later=("s", 8))
+        assert str(info.value) == "the model queue is full (2 requests); retry in 1 s"
+        parts = [asyncio.ensure_future(r.call(len, "xy", cost=4)) for r in (a, b)]
+        assert [await p for p in parts] == [2, 2]  # parts are queued whatever the cap
+        a.close()
+        assert await ex.call(len, "z", kind="p", cost=1) == 1  # its place is free again
+        b.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+
+
+def test_a_reservation_never_closed_is_given_back_when_collected() -> None:
+    """A stream whose client left before it began never runs its generator (nor its
+    ``finally``): the reservation must not hold the budget for ever."""
+    ex, _ = _timed_executor()
+
+    async def main() -> None:
+        _, steps = await ex.start(len, "x", kind="g", cost=1, later=("s", 256))
+        assert ex.reserved() == 1
+        assert not _fits(ex, "g", 1, ("s", 256))  # 8 s reserved: never idle
+        del steps
+        gc.collect()
+        assert ex.reserved() == 0
+        await _until(lambda: _fits(ex, "g", 1, ("s", 256)))  # idle again
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+
+
+def test_a_reserved_kind_never_timed_is_let_in_once_and_freed_by_an_early_end() -> None:
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, min_retry_after=3)
+    ex.observe("g", 1, 0.001)
+    block = Blocker()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(ex.call(block, kind="g", cost=1))
+        await _until(block.started.is_set)
+        first = asyncio.ensure_future(ex.start(len, "a", kind="g", cost=1, later=("s", 4)))
+        await _until(lambda: ex.depth() == 1)
+        with pytest.raises(Overloaded) as info:  # "s" untimed and already let in once
+            await ex.start(len, "b", kind="g", cost=1, later=("s", 4))
+        assert str(info.value) == "the server is timing its first requests; retry shortly"
+        block.gate.set()
+        await running
+        _, steps = await first
+        steps.close()  # it ended before any step ran: "s" is still untimed, and free
+        ex.check("g", 1, later=("s", 4))
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
+    assert ex.per_cost("s") is None
 
 
 # --- micro-batching ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from service.app import create_app
 from service.executor import ModelExecutor
 from tests.service_helpers import READ, make_settings
 from tests.test_api_engine import TEXT, _env
-from tests.test_api_executor import SlowEngine
+from tests.test_api_executor import Clock, SlowEngine
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,78 @@ def test_generate_is_admitted_by_the_executor_like_predict(tmp_path: Path, sqlit
         assert [e for e, _ in sse(r.text)] == ["token", "token", "token", "done"]
         kinds = {k for k in ("generate", "generate-step") if ex.per_cost(k) is not None}
         assert kinds == {"generate", "generate-step"}  # both timed on the model thread
+
+
+def test_generate_is_priced_by_the_tokens_it_will_produce(tmp_path: Path, sqlite_url: str) -> None:
+    """A /generate is admitted by its context and its max_tokens steps: one that cannot
+    fit is refused (it used to be priced by its context alone, and its steps queued past
+    the budget), an admitted one's reservation counts ahead of the next generation, and a
+    /predict waits only for what is queued."""
+    settings = make_settings(
+        tmp_path, sqlite_url, max_batch=1, queue_budget_s=2.0, overload_delay_seconds=0
+    )
+    engine = SlowEngine()
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    with TestClient(app) as client:
+        ex: ModelExecutor = app.state.memlm.executor
+        ex.clock = Clock()
+        ex.observe("predict", 128, 1.0)  # "a": cost 33, 0.258 s
+        ex.observe("generate", 32, 1.0)  # "the a": cost 34, 1.0625 s
+        ex.observe("generate-step", 8, 1.0)  # 0.125 s a token produced
+        answers: dict[str, Any] = {}
+
+        def post(name: str, path: str, body: dict[str, Any]) -> threading.Thread:
+            def run() -> None:
+                answers[name] = client.post(path, json=body)
+
+            t = threading.Thread(target=run)
+            t.start()
+            return t
+
+        def until_depth(n: int) -> None:
+            for _ in range(1000):
+                if ex.depth() == n:
+                    return
+                threading.Event().wait(0.01)
+            raise AssertionError(f"depth {ex.depth()}, not {n}")
+
+        threads = [post("busy", "/predict", {"context": "a"})]
+        try:
+            assert engine.entered.wait(10)  # the model thread is busy for 0.258 s
+            for stream in (False, True):  # 1.0625 + 8 x 0.125 = 2.06 s by itself
+                body = {"context": "the a", "max_tokens": 8, "stream": stream}
+                r = client.post("/generate", json=body)
+                assert r.status_code == 429, r.text
+                assert r.headers["Retry-After"] == "1"
+                assert r.json() == {
+                    "error": "overloaded",
+                    "detail": "the server is busy: this request would take about 2.1 s by "
+                    "itself, over the 2 s budget, so it is taken only when the model has "
+                    "nothing else queued or reserved; ask for fewer tokens or retry in 1 s",
+                }
+            # 0.258 ahead + 1.0625 + 3 x 0.125: 1.70 s, admitted
+            threads.append(post("three", "/generate", {"context": "the a", "max_tokens": 3}))
+            until_depth(1)
+            assert ex.reserved() == 1
+            # 0.258 + 1.0625 queued + 0.375 reserved ahead, 1.1875 its own: 2.88 s
+            r = client.post("/generate", json={"context": "the a", "max_tokens": 1})
+            assert r.status_code == 429, r.text
+            assert r.headers["Retry-After"] == "2"
+            assert r.json()["detail"] == (
+                "the server is busy: this request would wait about 2.9 s, over the 2 s "
+                "budget; retry in 2 s"
+            )
+            # first in, first out: 0.258 + 1.0625 queued, 0.258 its own
+            threads.append(post("predict", "/predict", {"context": "a"}))
+            until_depth(2)
+        finally:
+            engine.gate.set()
+            for t in threads:
+                t.join(10)
+        assert {k: r.status_code for k, r in answers.items()} == {
+            "busy": 200,
+            "three": 200,
+            "predict": 200,
+        }
+        assert answers["three"].json()["generated_tokens"] == 3
+        assert ex.reserved() == 0  # what it reserved went back as its steps ran

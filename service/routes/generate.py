@@ -1,10 +1,12 @@
 """POST /generate: a continuation under the augmented distribution, whole or streamed.
 
-The model work goes through the same executor as /predict: the first job (reading the
-context) is admitted by its cost like any request, and 429 comes before anything is
-streamed. The steps follow as jobs of ``MEMLM_GENERATE_CHUNK_TOKENS`` tokens each, queued
-as parts of an admitted request, so /predict and /score get the model thread between
-them. Each call owns its :class:`memlm.generate.Generation` (cache, random generator).
+The model work goes through the same executor as /predict, admitted once by its whole
+cost: reading the context plus the ``max_tokens`` steps it may take (reserved,
+:meth:`service.executor.ModelExecutor.start`), so 429 comes before anything is streamed
+and long generations cannot crowd the model thread past the budget. The steps follow as
+jobs of ``MEMLM_GENERATE_CHUNK_TOKENS`` tokens each, queued as parts of the admitted
+request, so /predict and /score get the model thread between them. Each call owns its
+:class:`memlm.generate.Generation` (cache, random generator).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from memlm.db.errors import DomainError
 from memlm.generate import GenerateConfig, GeneratedToken
 from service.deps import EngineDep, ReadAccess, State
 from service.errors import InvalidRequest, PayloadTooLarge, error_body, error_responses
+from service.executor import Reservation
 from service.generate_schemas import (
     GenerateDone,
     GeneratedTokenOut,
@@ -99,14 +102,18 @@ async def _token_outs(state: AppState, tokens: Sequence[GeneratedToken]) -> list
     ]
 
 
-async def _chunks(state: AppState, gen: Any) -> AsyncIterator[list[GeneratedTokenOut]]:
-    """The continuation's tokens, a chunk per model-thread job, until it is done."""
+async def _chunks(
+    state: AppState, gen: Any, steps: Reservation
+) -> AsyncIterator[list[GeneratedTokenOut]]:
+    """The continuation's tokens, a chunk per model-thread job, until it is done; then
+    what the steps did not use is given back (an early stop or end of text)."""
     n = state.settings.generate_chunk_tokens
-    while not gen.done:
-        tokens = await state.executor.call(
-            partial(gen.step, n), kind=GENERATE_STEP, cost=n, admitted=True
-        )
-        yield await _token_outs(state, tokens)
+    with steps:
+        while not gen.done:
+            # the last chunk is shorter when max_tokens is not a multiple of n
+            cost = max(1, min(n, steps.left))
+            tokens = await steps.call(partial(gen.step, n), cost=cost)
+            yield await _token_outs(state, tokens)
 
 
 def _done(gen: Any, produced: int) -> GenerateDone:
@@ -126,10 +133,10 @@ def _event(name: str, data: str) -> bytes:
     return format_sse_event(event=name, data_str=data)
 
 
-async def _stream(state: AppState, gen: Any) -> AsyncIterator[bytes]:
+async def _stream(state: AppState, gen: Any, steps: Reservation) -> AsyncIterator[bytes]:
     produced = 0
     try:
-        async for chunk in _chunks(state, gen):
+        async for chunk in _chunks(state, gen, steps):
             for tok in chunk:
                 produced += 1
                 yield _event("token", tok.model_dump_json(by_alias=True))
@@ -166,7 +173,8 @@ async def generate(
     if body.neighbour:
         check_neighbour_access(may_read)
     executor = state.executor
-    executor.check(GENERATE)  # refuse an overloaded queue before tokenising
+    steps = (GENERATE_STEP, body.max_tokens)  # the tokens it will produce, at most
+    executor.check(GENERATE, later=steps)  # refuse an overloaded queue before tokenising
     tokens = await off_loop_if_long(body.context, partial(engine.count_tokens, body.context))
     positions = engine.generation_positions
     if tokens + body.max_tokens > positions:
@@ -174,18 +182,19 @@ async def generate(
             f"context has {tokens} tokens; with max_tokens {body.max_tokens} that exceeds "
             f"the model's {positions} positions"
         )
-    gen = await executor.call(
+    gen, reserved = await executor.start(
         partial(engine.start_generation, body.context, _config(body)),
         kind=GENERATE,
         cost=request_cost(tokens),
+        later=steps,
     )
     if body.stream:
         return StreamingResponse(
-            _stream(state, gen),
+            _stream(state, gen, reserved),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     out: list[GeneratedTokenOut] = []
-    async for chunk in _chunks(state, gen):
+    async for chunk in _chunks(state, gen, reserved):
         out.extend(chunk)
     return GenerateResponse(**_done(gen, len(out)).model_dump(), tokens=out)
