@@ -106,7 +106,8 @@ def test_a_refused_request_is_answered_before_its_body_is_read(
             if message["type"] == "http.response.start":
                 status.append(message["status"])
 
-        client.portal.call(app, dict(scope), receive, send)
+        portal: Any = client.portal  # the app's event loop, started by the TestClient
+        portal.call(app, dict(scope), receive, send)
         return status[0], reads
 
     with TestClient(app) as client:
