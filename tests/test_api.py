@@ -875,7 +875,8 @@ def test_a_forget_hides_nothing_until_it_is_committed(
     assert hidden == []  # nothing left the memory
     d = c.get(f"/documents/{doc_id}", headers=INGEST).json()
     assert (d["status"], d["entry_start"], d["entry_end"]) == ("done", 0, 5)
-    served = c.post("/predict", json={"context": "the", "neighbours": 5}).json()["neighbours"]
+    ask = {"context": "the", "neighbours": 5}
+    served = c.post("/predict", headers=READ, json=ask).json()["neighbours"]
     assert [n["document_id"] for n in served] == [doc_id, doc_id]
 
     def hide_fails(ids: list[int]) -> None:  # e.g. Milvus unreachable right after the commit
@@ -888,7 +889,7 @@ def test_a_forget_hides_nothing_until_it_is_committed(
     assert hidden == [[doc_id]]
     assert env.drain() == 1  # the worker's forget completes it
     assert c.get(f"/documents/{doc_id}", headers=INGEST).json()["status"] == "forgotten"
-    assert c.post("/predict", json={"context": "the", "neighbours": 5}).json()["neighbours"] == []
+    assert c.post("/predict", headers=READ, json=ask).json()["neighbours"] == []
 
 
 def test_unexpected_errors_never_leak(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,7 +92,7 @@ class Service:
     def answers(self) -> list[Any]:
         """/predict of every context, with neighbours and their provenance."""
         return [
-            self.client.post("/predict", json={"context": c, "neighbours": 8}).json()
+            self.client.post("/predict", headers=ADMIN, json={"context": c, "neighbours": 8}).json()
             for c in CONTEXTS
         ]
 
