@@ -48,9 +48,9 @@ from memlm.backup.files import (
 from memlm.backup.manifest import DATA, DB, BackupManifest, FileEntry
 from memlm.datastore import LOCK, Datastore
 from memlm.datastore import MANIFEST as DATASTORE_MANIFEST
-from memlm.db.dump import committed_state, dump_table, snapshot_engine, tables
+from memlm.db.dump import dump_table, snapshot_engine, tables
 from memlm.db.migrate import head_revision
-from memlm.db.repositories import DocumentRepository
+from memlm.db.repositories import BuildRepository, DocumentRepository
 from memlm.index import list_versions
 from memlm.index.versions import version_name
 from memlm.locks import FileLock, LockBusy
@@ -178,11 +178,15 @@ def _pause_ingest(
             _open(snap, data_dir, memory / LEXICAL)
         if while_paused is not None:  # tests: what others try while ingest is paused
             while_paused()
-        revision = MigrationContext.configure(conn).get_current_revision()
-        snap.committed_end, recorded = committed_state(conn)
+        # the snapshot's first query: from here on it sees this moment, whatever commits
+        with Session(bind=conn) as s:
+            snap.committed_end = DocumentRepository(s).committed_end()
     finally:
         writer.release()
         snap.paused = time.monotonic() - t0
+    revision = MigrationContext.configure(conn).get_current_revision()
+    with Session(bind=conn) as s:
+        recorded = BuildRepository(s).recorded_versions()
     return revision, recorded
 
 

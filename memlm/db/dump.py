@@ -22,11 +22,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 from sqlalchemy import Connection, Engine, Table, create_engine, event, func, inspect, select, text
-from sqlalchemy.orm import Session
 
 from memlm.db.migrate import current_revision, head_revision
 from memlm.db.models import Base
-from memlm.db.repositories import BuildRepository, DocumentRepository
 
 # Rows per INSERT batch and per fetch while streaming a table.
 _BATCH = 2000
@@ -63,13 +61,6 @@ def snapshot_engine(url: str) -> Engine:
         isolation_level="REPEATABLE READ",
         execution_options={"postgresql_readonly": True},
     )
-
-
-def committed_state(conn: Connection) -> tuple[int, set[int]]:
-    """(the datastore end the committed documents own, the recorded index versions), read
-    in ``conn``'s transaction: the first query of a snapshot fixes what it sees."""
-    with Session(bind=conn) as s:
-        return DocumentRepository(s).committed_end(), BuildRepository(s).recorded_versions()
 
 
 def _encode(v: Any) -> Any:
