@@ -519,3 +519,23 @@ def test_bundled_smollm2_answers_exactly_as_before_after_a_restore(
     restored = Service(b, smol)
     services.append(restored)
     assert restored.answers() == before
+
+
+def test_a_backup_waits_for_a_running_build_and_says_so(
+    tmp_path: Path, tiny: Any, services: list[Service]
+) -> None:
+    """A build holds build.lock for its whole run: the backup waits up to ``wait`` (the
+    index versions and the calibrator's files change under a build), then says why."""
+    from memlm.locks import FileLock
+
+    a = _small_backup(tmp_path, tiny, services)
+    build = FileLock(a.datastore_dir / "build.lock")
+    build.acquire(timeout=0)
+    try:
+        with pytest.raises(
+            BackupError, match=r"an index build held .*build.lock for more than 0.2 s"
+        ):
+            backup(a, tmp_path / "second", wait=0.2)
+    finally:
+        build.release()
+    backup(a, tmp_path / "second", wait=0.2)

@@ -97,9 +97,9 @@ def _transient(rel: Path) -> bool:
     return any(p.startswith(".") or ".tmp" in p for p in rel.parts)
 
 
-def _acquire(lock: FileLock, wait: float, why: str) -> None:
+def _acquire(lock: FileLock, wait: float, why: str, poll: float = _POLL) -> None:
     try:
-        lock.acquire(timeout=wait, poll=_POLL)
+        lock.acquire(timeout=wait, poll=poll)
     except LockBusy:
         raise BackupError(f"{why} held {lock.path} for more than {wait:g} s; try again") from None
 
@@ -120,7 +120,7 @@ def _take_snapshot(
     memory = data_dir / "memory"
     snap = _Snapshot()
     build = FileLock(memory / BUILD_LOCK)
-    _acquire(build, wait, "an index build")
+    _acquire(build, wait, "an index build", poll=min(0.5, wait / 4))  # builds take minutes
     try:
         if on_milvus:  # no lock to take: the documents done now say what to export
             revision = MigrationContext.configure(conn).get_current_revision()

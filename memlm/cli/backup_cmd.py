@@ -39,7 +39,8 @@ def backup(
     ),
 ) -> None:
     """Snapshot the data directory and the database of MEMLM_DATA_DIR / MEMLM_DATABASE_URL
-    while the service runs (ingest pauses for milliseconds)."""
+    (and the collection's entries on Milvus, MEMLM_MEMORY_URL) while the service runs
+    (ingest pauses for milliseconds)."""
     from memlm.backup import BackupError
     from memlm.backup import backup as take
 
@@ -62,7 +63,8 @@ def restore(
     src: Path = typer.Argument(..., help="a directory written by `memlm backup`"),
 ) -> None:
     """Fill the empty data directory and database of MEMLM_DATA_DIR / MEMLM_DATABASE_URL
-    from a backup (refuses a non-empty one); start the service afterwards."""
+    (and, for a backup of a Milvus memory, the empty collection of MEMLM_MEMORY_URL) from
+    a backup (refuses a non-empty one); start the service afterwards."""
     from memlm.backup import BackupError
     from memlm.backup import restore as put_back
 
