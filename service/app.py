@@ -27,6 +27,7 @@ from service.errors import error_responses, install_error_handlers
 from service.executor import ModelExecutor
 from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
+from service.openapi import install_openapi
 from service.provenance import SpanCache
 from service.routes import admin, documents, generate, health, inference
 from service.routes.inference import predict_many
@@ -224,6 +225,7 @@ def create_app(
     for module in (documents, inference, generate, admin, health):
         app.include_router(module.router)
     app.include_router(dashboard_routes.router)
+    install_openapi(app, settings)
     # Starlette runs the last added outermost. BodyGuard reads the whole body (up to
     # MEMLM_MAX_BODY_BYTES) before the app sees it, so RequestSlots must be outside it:
     # a refused request is answered 429 without its body ever being read.

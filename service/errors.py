@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from memlm.db.errors import DomainError
 from service.schemas import ErrorOut
@@ -132,6 +133,20 @@ async def overload_pause(request_or_scope: Any, exc: Overloaded) -> None:
         await _sleep(min(float(delay), float(exc.retry_after)))
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path, for a 405's Allow header.
+
+    Starlette's 405 names only the methods of the first route whose path matched: GET
+    /admin/policy answered PUT's 405 with ``Allow: GET``, though PUT is served too.
+    """
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, DomainError)
@@ -147,11 +162,14 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(422, "validation_error", _validation_detail(exc))
 
-    async def http(_: Request, exc: Exception) -> JSONResponse:
+    async def http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         name = _HTTP_NAMES.get(exc.status_code, "error")
         detail = exc.detail if isinstance(exc.detail, str) else name
-        return error_response(exc.status_code, name, detail, getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        return error_response(exc.status_code, name, detail, headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)

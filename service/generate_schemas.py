@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.schemas import NeighbourOut, Strict
+from service.schemas import JsonInt, NeighbourOut, Strict, whole_number
 
 
 class GenerateRequest(Strict):
     context: str = Field(min_length=1, examples=["The central bank said on Tuesday that"])
-    max_tokens: int = Field(
+    max_tokens: JsonInt = Field(
         32, ge=1, description="tokens to generate at most (and at most MEMLM_MAX_GENERATE_TOKENS)"
     )
     temperature: float = Field(
@@ -29,10 +29,10 @@ class GenerateRequest(Strict):
         allow_inf_nan=False,
         description="sampling only: draw from the smallest set of tokens holding this mass",
     )
-    seed: int | None = Field(
+    # the bounds before the validator: after it (as on `JsonInt | None`) pydantic writes
+    # them as "ge"/"le", which JSON Schema ignores
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(whole_number)] | None = Field(
         None,
-        ge=0,
-        le=2**63 - 1,
         description="sampling only: the same seed, context and memory give the same text; "
         "null: the server draws one and returns it",
     )

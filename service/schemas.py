@@ -4,24 +4,78 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from typing import Any, Literal
+import re
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
+from typing_extensions import TypeAliasType
 
-from memlm.policy import DELTA_RANGE, POLICY_NAMES, check_policy
+from memlm.policy import DELTA_RANGE
 
 DocumentStatus = Literal["pending", "processing", "done", "failed", "forgetting", "forgotten"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown fields refused, and no lax coercion (``0`` is not
+    ``false``, ``"5"`` is not ``5``): what the OpenAPI says is what the server takes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def whole_number(v: Any) -> Any:
+    # JSON Schema counts 5.0 as an integer and clients may send one; strict mode would
+    # refuse it, so a float without a fractional part becomes an int first.
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+# An integer as JSON Schema means it: 5 and 5.0, never "5" or true.
+JsonInt = Annotated[int, BeforeValidator(whole_number)]
+
+# What PostgreSQL can store in text (check_storable): no NUL. Lone surrogates are refused
+# too, but a schema string is Unicode text, which has none. Only the schema carries the
+# pattern: the validators below say in words what is wrong.
+NO_NUL = r"^[^\x00]*$"
+# The characters str.isspace() (hence str.strip()) treats as white space, spelt out:
+# the \s of ECMA-262 regexes (OpenAPI's dialect) is not the same set as Python's.
+SPACE = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# A document's text: no NUL, and at least one character that is not white space.
+TEXT_PATTERN = rf"^[^\x00]*[^\x00{SPACE}][^\x00]*$"
+StoredStr = Annotated[str, WithJsonSchema({"type": "string", "pattern": NO_NUL})]
+
+
+def no_nul(*names: str) -> Callable[[dict[str, Any]], None]:
+    """A model's ``json_schema_extra``: these string properties (or their string branch,
+    when nullable) get the NO_NUL pattern."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for name in names:
+            prop = schema["properties"][name]
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") == "string":
+                    branch["pattern"] = NO_NUL
+
+    return extra
+
+
+# Any JSON value that can be stored as-is (metadata): strings and keys without NUL.
+StoredObject = Annotated[
+    dict[str, "StoredJson"], Field(json_schema_extra={"propertyNames": {"pattern": NO_NUL}})
+]
+StoredJson = TypeAliasType(
+    "StoredJson", "StoredObject | list[StoredJson] | StoredStr | int | float | bool | None"
+)
 
 
 class ErrorOut(BaseModel):
@@ -72,13 +126,63 @@ def check_storable(value: Any, where: str) -> None:
 # --- ingest -----------------------------------------------------------------------------
 
 
+# RFC 3339 full-date, or date-time (JSON Schema's "date" and "date-time" formats).
+_RFC3339 = re.compile(
+    r"([0-9]{4}-[0-9]{2}-[0-9]{2})"
+    r"(?:[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.[0-9]+)?(?:[Zz]|[+-]([0-9]{2}):([0-9]{2})))?"
+)
+
+
+def _published_day(v: Any) -> Any:
+    """The date of an RFC 3339 date or date-time string (as written, whatever the offset)."""
+    if isinstance(v, dt.datetime):  # Python callers (memlm.client)
+        return v.date()
+    if not isinstance(v, str):
+        return v  # a date passes; anything else is refused by the strict date
+    m = _RFC3339.fullmatch(v)
+    try:
+        if m is None:
+            raise ValueError
+        day = dt.date.fromisoformat(m[1])
+        hour, minute, second, off_h, off_m = (int(x or 0) for x in m.groups()[1:])
+        if hour > 23 or minute > 59 or second > 59 or off_h > 23 or off_m > 59:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"published_at {v!r} is not an ISO date (2017-02-07) or date-time "
+            "(2017-02-07T10:00:00Z, with its offset)"
+        ) from None
+    return day
+
+
+PublishedAt = Annotated[
+    dt.date,
+    BeforeValidator(_published_day),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "format": "date"},
+                {"type": "string", "format": "date-time"},
+            ],
+            "description": "the day (a date-time counts as the date written in it)",
+        }
+    ),
+]
+
+
 class DocumentIn(Strict):
-    text: str = Field(min_length=1, examples=["The central bank raised its key rate on Tuesday."])
-    published_at: dt.date = Field(examples=["2017-02-07"])
+    model_config = ConfigDict(json_schema_extra=no_nul("source", "external_id", "title"))
+
+    text: str = Field(
+        min_length=1,
+        examples=["The central bank raised its key rate on Tuesday."],
+        json_schema_extra={"pattern": TEXT_PATTERN},
+    )
+    published_at: PublishedAt = Field(examples=["2017-02-07"])
     source: str = Field(min_length=1, max_length=200, examples=["www.bbc.com"])
     external_id: str | None = Field(None, min_length=1, max_length=200, examples=["bbc-123"])
     title: str = Field("", max_length=1000, examples=["Rates rise again"])
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: StoredObject = Field(default_factory=dict)
 
     @field_validator("text")
     @classmethod
@@ -91,17 +195,6 @@ class DocumentIn(Strict):
     @classmethod
     def _storable(cls, v: Any, info: ValidationInfo) -> Any:
         check_storable(v, str(info.field_name))
-        return v
-
-    @field_validator("published_at", mode="before")
-    @classmethod
-    def _date_only(cls, v: Any) -> Any:
-        # Accept "2017-02-07" and "2017-02-07T10:00:00Z"; reject anything else clearly.
-        if isinstance(v, str) and len(v) > 10 and v[10] in "T ":
-            try:
-                return dt.datetime.fromisoformat(v.replace("Z", "+00:00")).date()
-            except ValueError:
-                raise ValueError(f"published_at {v!r} is not an ISO date") from None
         return v
 
 
@@ -166,10 +259,21 @@ class DocumentOut(BaseModel):
 class MemoryOptionsIn(Strict):
     """TRIME local / long-term memory (TRIME Eq. 6): the input's own earlier tokens."""
 
+    model_config = ConfigDict(
+        # _tau_needs_memory, stated for clients: tau is null (or absent) unless a memory is on
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"tau": {"type": "null"}}},
+                {"properties": {"local_memory": {"const": True}}, "required": ["local_memory"]},
+                {"properties": {"long_memory": {"minimum": 1}}, "required": ["long_memory"]},
+            ]
+        }
+    )
+
     local_memory: bool = Field(
         False, description="earlier tokens of the same window join the LM softmax (Eq. 6)"
     )
-    long_memory: int = Field(
+    long_memory: JsonInt = Field(
         0,
         ge=0,
         le=16,
@@ -177,7 +281,9 @@ class MemoryOptionsIn(Strict):
     )
     tau: float | None = Field(
         None,
-        gt=0,
+        # sim / tau must stay finite in float32: a tau of 5e-324 gave inf scores and NaN
+        # probabilities (answered as null); 0.001 is 2000x below the default of 2
+        ge=0.001,
         le=100,
         description="temperature of the memory's similarities; null: the server's default",
     )
@@ -191,11 +297,11 @@ class MemoryOptionsIn(Strict):
 
 class PredictRequest(MemoryOptionsIn):
     context: str = Field(min_length=1, examples=["The prime minister said on Tuesday that"])
-    top_n: int = Field(10, ge=1, le=100)
-    neighbours: int = Field(
+    top_n: JsonInt = Field(10, ge=1, le=100)
+    neighbours: JsonInt = Field(
         0, ge=0, description="how many neighbours to return (at most MEMLM_MAX_NEIGHBOURS)"
     )
-    words: int = Field(
+    words: JsonInt = Field(
         0,
         ge=0,
         le=50,
@@ -383,29 +489,55 @@ class StatsResponse(BaseModel):
     )
 
 
-class PolicyIn(Strict):
-    policy: str = Field(examples=["monim"], json_schema_extra={"enum": list(POLICY_NAMES)})
+class NoParams(Strict):
+    """The params of a policy that takes none: an empty object."""
+
+
+class RandMemParams(Strict):
+    """RandMem's params (POLICY_PARAMS["randmem"]); an absent one takes make_policy's default."""
+
+    rate: float = Field(
+        0.5, ge=0.0, le=1.0, allow_inf_nan=False, description="the fraction of tokens stored"
+    )
+    seed: JsonInt = Field(0, ge=0, le=2**63 - 1, description="seeds the random streams")
+
+
+_DELTA = "log-probability threshold; null takes the policy's default"
+
+
+class FullMemIn(Strict):
+    policy: Literal["fullmem"]
+    delta: None = Field(None, description="fullmem takes no delta")
+    params: NoParams = Field(default_factory=NoParams)
+
+
+class RandMemIn(Strict):
+    policy: Literal["randmem"]
+    delta: None = Field(None, description="randmem takes no delta")
+    params: RandMemParams = Field(default_factory=lambda: RandMemParams.model_validate({}))
+
+
+class MonimIn(Strict):
+    policy: Literal["monim", "monim-amt", "monim-kl"] = Field(examples=["monim"])
     delta: float | None = Field(
         None,
         ge=DELTA_RANGE[0],
         le=DELTA_RANGE[1],
         allow_inf_nan=False,
         examples=[-1.5],
-        description="log-probability threshold of monim, monim-amt and monim-kl (the others "
-        "take none); null takes the policy's default",
+        description=_DELTA,
     )
-    params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="randmem: rate (0 to 1) and seed (integer >= 0); the others take none",
-    )
+    params: NoParams = Field(default_factory=NoParams)
 
-    @model_validator(mode="after")
-    def _meaningful(self) -> PolicyIn:
-        # Unknown params used to stop every ingest (make_policy raised in the worker) and a
-        # NaN delta stored nothing at all: refuse both here, before they reach the database.
-        check_storable(self.params, "params")
-        check_policy(self.policy, self.delta, self.params)
-        return self
+
+# One model per policy, told apart by `policy`: the schema states what check_policy
+# (memlm.policy) enforces, which delta and which params each policy takes.
+PolicyIn = Annotated[FullMemIn | RandMemIn | MonimIn, Field(discriminator="policy")]
+
+
+def policy_params(body: FullMemIn | RandMemIn | MonimIn) -> dict[str, Any]:
+    """The params as stored: only those the request gave."""
+    return body.params.model_dump(exclude_unset=True)
 
 
 class PolicyOut(BaseModel):
@@ -416,6 +548,8 @@ class PolicyOut(BaseModel):
 
 
 class RebuildRequest(Strict):
+    model_config = ConfigDict(json_schema_extra=no_nul("key"))
+
     key: str | None = Field(
         None,
         max_length=100,

@@ -12,6 +12,15 @@ from memlm.knnlm import MemoryOptions, has_neighbours, interpolate, knn_logprob
 from memlm.policy import Policy, TokenScores
 from memlm.trime_memory import cached_doc_logprobs
 
+# exp(709.78) is the largest float64: a mean log-probability below -MAX_LOG_PPL (a sharp
+# memory with a small tau puts ~0 on the target) overflowed math.exp into a 500.
+MAX_LOG_PPL = math.log(np.finfo(np.float64).max)
+
+
+def perplexity(logprobs: np.ndarray) -> float:
+    """exp(-mean log p), saturated at the largest float (JSON has no infinity)."""
+    return math.exp(min(-float(np.mean(logprobs)), MAX_LOG_PPL))
+
 
 class ScoreMixin(EngineCore):
     """``score``: per-token log-probabilities and what the policy would store."""
@@ -60,9 +69,9 @@ class ScoreMixin(EngineCore):
             tokens=self.encoder.token_strings(out.targets.tolist()),
             lm_logprobs=lm.tolist(),
             logprobs=aug.astype(np.float64).tolist(),
-            lm_ppl=math.exp(-float(lm.mean())),
-            ppl=math.exp(-float(np.mean(aug))),
+            lm_ppl=perplexity(lm),
+            ppl=perplexity(aug),
             would_store=store.astype(bool).tolist(),
             trime_logprobs=None if trime is None else trime.tolist(),
-            trime_ppl=None if trime is None else math.exp(-float(trime.mean())),
+            trime_ppl=None if trime is None else perplexity(trime),
         )

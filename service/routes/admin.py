@@ -20,6 +20,7 @@ from service.schemas import (
     PolicyOut,
     RebuildRequest,
     StatsResponse,
+    policy_params,
 )
 from service.stats import policy_out, read_db, summarise
 
@@ -102,7 +103,8 @@ def get_policy(state: State, session: DbSession) -> PolicyOut:
     summary="Change the policy for new documents",
 )
 def put_policy(body: PolicyIn, session: DbSession) -> PolicyOut:
-    return policy_out(PolicyRepository(session).set(body.policy, body.delta, body.params))
+    params = policy_params(body)
+    return policy_out(PolicyRepository(session).set(body.policy, body.delta, params))
 
 
 @router.delete(
