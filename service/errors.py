@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from memlm.db.errors import DomainError
 from service.schemas import ErrorOut
@@ -133,18 +133,18 @@ async def overload_pause(request_or_scope: Any, exc: Overloaded) -> None:
         await _sleep(min(float(delay), float(exc.retry_after)))
 
 
-def allowed_methods(request: Request) -> str:
-    """Every method some route serves at this path, for a 405's Allow header.
+def allowed_methods(request: Request) -> str | None:
+    """The methods the OpenAPI documents for this path, for a 405's Allow header.
 
-    Starlette's 405 names only the methods of the first route whose path matched: GET
-    /admin/policy answered PUT's 405 with ``Allow: GET``, though PUT is served too.
+    Starlette's 405 names only the methods of the first route whose path matched: PUT
+    /admin/policy's neighbour GET answered OPTIONS with ``Allow: GET``. None: a path the
+    OpenAPI does not list (the dashboard's pages), left to Starlette.
     """
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return ", ".join(sorted(methods))
+    path = request.url.path
+    for template, operations in request.app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)), path):
+            return ", ".join(sorted(method.upper() for method in operations))
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -167,8 +167,9 @@ def install_error_handlers(app: FastAPI) -> None:
         name = _HTTP_NAMES.get(exc.status_code, "error")
         detail = exc.detail if isinstance(exc.detail, str) else name
         headers = getattr(exc, "headers", None)
-        if exc.status_code == 405:
-            headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        allow = allowed_methods(request) if exc.status_code == 405 else None
+        if allow is not None:
+            headers = {**(headers or {}), "Allow": allow}
         return error_response(exc.status_code, name, detail, headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
