@@ -71,9 +71,11 @@ def choose(prob: np.ndarray, cfg: GenerateConfig, rng: np.random.Generator | Non
     if cfg.greedy:
         return int(np.argmax(prob))
     assert rng is not None
-    with np.errstate(divide="ignore"):
-        logits = np.log(prob) / cfg.temperature
-    q = np.exp(logits - logits.max())
+    # the max subtracted before dividing: with a temperature of 5e-324 every log p / T was
+    # -inf, and -inf - -inf made the distribution NaN (a 500); now the argmax keeps 0
+    with np.errstate(divide="ignore", over="ignore"):
+        logp = np.log(prob)
+        q = np.exp((logp - logp.max()) / cfg.temperature)
     q /= q.sum()
     if cfg.top_p < 1.0:
         order = np.argsort(-q, kind="stable")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from memlm.engine.score import perplexity
+from memlm.generate import GenerateConfig, choose
 from memlm.policy import POLICY_PARAMS
 from service.schemas import SPACE
 from tests.service_helpers import ADMIN, INGEST, doc
@@ -330,3 +331,11 @@ def test_a_perplexity_past_float64_saturates() -> None:
     """A tau of 0.001 put ~0 on every target: math.exp overflowed into a 500 on /score."""
     assert perplexity(np.array([-1e4, -2e4])) == pytest.approx(np.finfo(np.float64).max)
     assert perplexity(np.array([-1.0, -3.0])) == pytest.approx(np.exp(2.0))
+
+
+def test_a_tiny_temperature_samples_the_argmax() -> None:
+    """A temperature of 5e-324 made every log p / T -inf and the distribution NaN: a 500."""
+    prob = np.array([0.2, 0.5, 0.3])
+    for t in (5e-324, 1e-300):
+        cfg = GenerateConfig(temperature=t)
+        assert [choose(prob, cfg, np.random.default_rng(s)) for s in range(5)] == [1] * 5
