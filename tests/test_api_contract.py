@@ -154,6 +154,7 @@ def test_live_server_conforms_to_its_openapi_with_every_check(
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     out = run.stdout + run.stderr
+    print(out[-1200:])  # the summary, shown with -s
     assert run.returncode == 0, out[-20000:]
     generated = re.search(r"(\d+) generated", out)
     assert generated is not None and int(generated[1]) >= 500, out[-3000:]
