@@ -41,7 +41,24 @@ FIELDS = (
     "day",
     "doc",
 )
-_PAD = {"distances": np.inf, "values": -1}  # what a missing neighbour looks like
+# Kept since the evidence interpolation (memlm.calibrator.evidence); a record or training
+# set written before lacks them and reads as: no query norm, no seen view.
+#   qnorm: (n,) squared L2 norm of each query key;
+#   seen_distances / seen_values: (n, K) the same search with the document's own stored
+#   entries in memory (what a user asking along the text they just ingested gets).
+OPTIONAL_FIELDS = ("qnorm", "seen_distances", "seen_values")
+# what a missing neighbour looks like
+_PAD = {"distances": np.inf, "values": -1, "seen_distances": np.inf, "seen_values": -1}
+
+
+def complete(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``part`` with every optional field (missing ones filled as "not recorded")."""
+    n, width = part["values"].shape if part["values"].ndim == 2 else (len(part["day"]), 0)
+    out = dict(part)
+    out.setdefault("qnorm", np.full(n, np.nan, np.float32))
+    out.setdefault("seen_distances", np.full((n, width), np.inf, np.float32))
+    out.setdefault("seen_values", np.full((n, width), -1, np.int32))
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,10 +92,10 @@ def sampled(cfg: HeldOutConfig, doc_id: int) -> bool:
 
 def stack(parts: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate records; neighbour arrays of different widths are padded to the widest."""
-    parts = [p for p in parts if len(p["day"])]
+    parts = [complete(p) for p in parts if len(p["day"])]
     if not parts:
         return {}
-    width = max(p["values"].shape[1] for p in parts)
+    width = max(max(p["values"].shape[1], p["seen_values"].shape[1]) for p in parts)
     out: dict[str, list[np.ndarray]] = {k: [] for k in parts[0]}
     for p in parts:
         for k, v in p.items():
@@ -151,7 +168,7 @@ class HeldOutRecorder:
 
     def record(self, doc_id: int, day: int, arrays: dict[str, np.ndarray]) -> Path:
         """Write one document's record atomically."""
-        assert set(arrays) == set(FIELDS), sorted(arrays)
+        assert set(FIELDS) <= set(arrays) <= set(FIELDS + OPTIONAL_FIELDS), sorted(arrays)
         n = len(arrays["day"])
         assert all(len(v) == n for v in arrays.values())
         self.root.mkdir(parents=True, exist_ok=True)
@@ -171,7 +188,7 @@ class HeldOutRecorder:
         parts = []
         for p in paths:
             with np.load(p) as z:
-                parts.append({k: z[k] for k in FIELDS})
+                parts.append({k: z[k] for k in FIELDS + OPTIONAL_FIELDS if k in z.files})
         return stack(parts)
 
     def remove(self, paths: Iterable[Path]) -> None:

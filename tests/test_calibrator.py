@@ -245,7 +245,8 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
 
     enc = Encoder.load("tiny-llama", threads=1)
     knn = KnnParams(k=8, temperature=1.0, lmbda=0.5)
-    eng = Engine.open(tmp_path / "data", encoder=enc, knn=knn, gate_theta=0.0)
+    # the calibrator against the constant (the evidence has its own tests)
+    eng = Engine.open(tmp_path / "data", encoder=enc, knn=knn, gate_theta=0.0, evidence=False)
     eng.process_document(1, NEWS, 19000, policy="fullmem")
     assert (tmp_path / "data" / "lexical.npz").exists()
     info = eng.rebuild()
@@ -376,6 +377,7 @@ def test_the_calibrator_is_served_only_when_it_beats_the_constant(tmp_path: Path
         np.zeros(4, np.int64),
         split["distances"][:4],
         split["values"][:4],
+        np.ones(4),
     )
     np.testing.assert_array_equal(lam, np.full(4, choice.params.lmbda))
     # the snapshot a call read before the swap is unchanged: one version's parameters

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from memlm.calibrator import ServedCalibration
-from memlm.heldout import FIELDS, HeldOutConfig, HeldOutRecorder, sampled, stack
+from memlm.heldout import FIELDS, OPTIONAL_FIELDS, HeldOutConfig, HeldOutRecorder, sampled, stack
 
 ON = HeldOutConfig(enabled=True, share=0.5, day_tokens=100)
 
@@ -69,7 +69,7 @@ def test_records_round_trip_pad_and_drop(tmp_path: Path) -> None:
     rec.record(2, 8, arrays(2, 8, 2, width=12))
     (tmp_path / ".tmp-d9-doc9-n1.npz").write_bytes(b"half")  # a crash mid-write
     got = rec.load(rec.pending().paths)
-    assert set(got) == set(FIELDS)
+    assert set(got) == set(FIELDS + OPTIONAL_FIELDS)  # old records read as "not recorded"
     assert got["doc"].tolist() == [1, 1, 1, 2, 2] and got["values"].shape == (5, 12)
     assert got["values"][0].tolist() == [1] * 10 + [-1, -1]  # padded: no neighbour
     assert np.isinf(got["distances"][:3, 10:]).all() and got["distances"][3, 11] == 11.0

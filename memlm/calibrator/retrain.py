@@ -23,6 +23,7 @@ from memlm.calibrator.model import (
     gate_config,
     with_prior,
 )
+from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator.stream import StreamCalibrator, token_rows, training_set, validation_rows
 from memlm.knnlm import KnnParams, interpolate
 
@@ -106,12 +107,28 @@ def choose(
     grid: TuneGrid,
     index_root: Path,
     version: int,
+    *,
+    evidence: bool = False,
 ) -> dict[str, Any]:
     """Record what ``version`` serves (``interpolation.json`` beside it) and return it:
     the constant chosen, and the calibrator instead if it beat it on validation tokens."""
     from memlm.interpolation import save_choice
 
     compared = compare(rows, choice.params, index_root, version)
+    source = "calibrator" if compared is not None and compared["beats_constant"] else "constant"
+    ev_record = None
+    if evidence:
+        model, ev_record = _choose_evidence(rows, choice, grid)
+        evidence_files.save(index_root, version, model, ev_record)
+        # the calibrator takes over only where it beats the evidence on the same tokens
+        cal_nll = _calibrator_both_views(rows, choice.params, index_root, version)
+        ev_nll = ev_record.get("val_nll", ev_record.get("prior_val_nll"))
+        ev_record["calibrator_val_nll"] = cal_nll
+        if ev_nll is None:  # no token to judge the evidence on: the calibrator as before
+            beats = source == "calibrator"
+        else:
+            beats = cal_nll is not None and cal_nll < ev_nll
+        source = "calibrator" if beats else "evidence"
     record = {
         "index_version": version,
         **choice.to_json(),
@@ -120,13 +137,57 @@ def choose(
             "temperatures": list(grid.temperatures),
             "lambdas": list(grid.lambdas),
         },
-        "lambda_source": (
-            "calibrator" if compared is not None and compared["beats_constant"] else "constant"
-        ),
+        "lambda_source": source,
         "calibrator": compared,
+        "evidence": None if ev_record is None else {k: v for k, v in ev_record.items() if k != "tried"},
     }
     save_choice(index_root, version, record)
     return record
+
+
+def _choose_evidence(
+    rows: dict[str, np.ndarray], choice: ConstantChoice, grid: TuneGrid
+) -> tuple[Any, dict[str, Any]]:
+    """The evidence model of a build, fitted on the held-out tokens outside the
+    calibrator's validation split (memlm.calibrator.evidence.choose)."""
+    from memlm.calibrator.evidence import PRIOR
+
+    k = choice.params.k
+    if not rows or not len(rows.get("gold", ())):
+        rec = {"k": k, "temperature": choice.params.temperature, "source": "prior"}
+        return PRIOR, {**rec, "reason": "no held-out tokens yet"}
+    val = validation_rows(rows, CalibratorConfig())
+    return evidence_files.choose(
+        rows, k, grid.temperatures, val, default_temperature=choice.params.temperature
+    )
+
+
+def _calibrator_both_views(
+    rows: dict[str, np.ndarray], params: KnnParams, index_root: Path, version: int
+) -> float | None:
+    """The served calibrator's validation NLL weighted as the evidence's: held-out and
+    seen views half and half (held-out only where no seen view was recorded)."""
+    root = Path(index_root)
+    usable = [v for v in saved_versions(root, CALIBRATOR_DIR) if v <= version]
+    if not usable or not rows:
+        return None
+    cal = Calibrator.load(root / f"v{usable[-1]:06d}" / CALIBRATOR_DIR)
+    mask = validation_rows(rows, cal.cfg)
+    out = []
+    for view in ("held-out", "seen"):
+        r = rows
+        if view == "seen":
+            if "seen_values" not in rows:
+                continue
+            r = {**rows, "distances": rows["seen_distances"], "values": rows["seen_values"]}
+            has = r["values"][:, 0] >= 0
+            if not (has & mask).any():
+                continue
+        val = training_set(token_rows(r, mask), params, cal.cfg.features)
+        if len(val):
+            out.append(_finite(cal.nll(val)))
+    vals = [v for v in out if v is not None]
+    return float(np.mean(vals)) if vals else None
 
 
 def retrain(

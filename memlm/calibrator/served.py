@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator import retrain as build_time
+from memlm.calibrator.evidence import PRIOR, EvidenceModel
 from memlm.calibrator.features import token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
 from memlm.calibrator.model import CALIBRATOR_DIR, Calibrator, CalibratorConfig
@@ -32,10 +34,12 @@ if TYPE_CHECKING:
 class ServedInterpolation:
     """The interpolation one served index version answers and decides with.
 
-    ``params``: the constant chosen at that version's build (k and T of p_kNN, and lambda
-    unless the calibrator is used); ``calibrator``: lambda per token, used only when it beat
-    the constant on the same validation tokens (``use_calibrator``); ``gate``: skips the
-    search where its lambda is below ``theta``.  The engine reads it once per call and the
+    ``params``: k and T of p_kNN, and the constant lambda when neither of the per-token
+    sources is served; ``evidence``: lambda per token from the retrieval evidence
+    (memlm.calibrator.evidence; None when the settings fix lambda); ``calibrator``: lambda
+    per token, used only when it beat the evidence (or the constant) on the same validation
+    tokens (``use_calibrator``); ``gate``: skips the search where its lambda is below
+    ``theta``.  The engine reads it once per call and the
     loader replaces it whole, so a call never mixes two versions' parameters.
     """
 
@@ -48,10 +52,13 @@ class ServedInterpolation:
     gate: Calibrator | None = None
     theta: float = 0.0
     lexical: LexicalStats | None = None  # what the calibrator's lexical features read
+    evidence: EvidenceModel | None = None
 
     @property
     def lambda_source(self) -> str:
-        return "calibrator" if self.use_calibrator and self.calibrator is not None else "constant"
+        if self.use_calibrator and self.calibrator is not None:
+            return "calibrator"
+        return "evidence" if self.evidence is not None else "constant"
 
     def gate_mask(
         self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
@@ -78,6 +85,28 @@ class ServedInterpolation:
         feats = token_features(top_logprob, entropy, lex, distances, values)
         return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
 
+    def token_lambdas(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+    ) -> np.ndarray:
+        """(m,) lambda of each token before the gate: the calibrator's, the evidence's or
+        the constant.  distances, values: (m, >= params.k) search results sorted by
+        distance; qnorm: (m,) squared norm of each query key."""
+        cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
+        if cal is not None:
+            return cal
+        if self.evidence is not None:
+            k = self.params.k
+            return self.evidence.lambdas(
+                distances[:, :k], values[:, :k], qnorm, self.params.temperature
+            )
+        return np.full(len(top_logprob), self.params.lmbda)
+
     def lambdas(
         self,
         top_logprob: np.ndarray,
@@ -85,11 +114,11 @@ class ServedInterpolation:
         prev_tokens: np.ndarray,
         distances: np.ndarray,
         values: np.ndarray,
+        qnorm: np.ndarray,
     ) -> np.ndarray:
-        """(m,) lambda of each token: the calibrator's or the constant, 0 where the gate
-        skips the search.  distances, values: (m, >= params.k) search results."""
-        cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
-        lam = np.full(len(top_logprob), self.params.lmbda) if cal is None else cal
+        """(m,) lambda of each token (:meth:`token_lambdas`), 0 where the gate skips the
+        search."""
+        lam = self.token_lambdas(top_logprob, entropy, prev_tokens, distances, values, qnorm)
         return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0)
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +132,7 @@ class ServedInterpolation:
             "lambda": self.params.lmbda,
             "source": rec.get("source", "default"),
             "lambda_source": self.lambda_source,
+            "evidence": None if self.evidence is None else self.evidence.to_json(),
             "heldout_tokens": rec.get("tokens", 0),
             "heldout_ppl": rec.get("ppl"),
             "heldout_bare_ppl": rec.get("bare_ppl"),
@@ -136,6 +166,7 @@ class ServedCalibration:
         theta: float = 0.0,
         shared: bool = False,
         default: KnnParams | None = None,
+        evidence: bool = False,
     ):
         from memlm.interpolation import SERVED_DEFAULT
         from memlm.lexical import LexicalStats
@@ -149,7 +180,15 @@ class ServedCalibration:
         self.lexical = LexicalStats.load(self.lexical_path, vocab_size)
         self.vocab_size = vocab_size
         self.default = default or SERVED_DEFAULT
-        self.served = ServedInterpolation(self.default, theta=theta, lexical=self.lexical)
+        # lambda per token from the retrieval evidence (the prior until a build fits it);
+        # False when the settings fix lambda: the constant is served as it is
+        self.use_evidence = evidence
+        self.served = ServedInterpolation(
+            self.default,
+            theta=theta,
+            lexical=self.lexical,
+            evidence=PRIOR if evidence else None,
+        )
         # what ``served`` was loaded from: (version, calibrator stamp, interpolation stamp)
         self._loaded: tuple[Any, ...] | None = None
         self.heldout = HeldoutSet(self.data_dir / TRAIN_FILE)
@@ -256,7 +295,9 @@ class ServedCalibration:
             if choice is None
             else (choice[0], (root / f"v{choice[0]:06d}" / INTERPOLATION_FILE).stat().st_mtime_ns)
         )
-        stamp = (version, cal_stamp, choice_stamp, self.default)
+        ev = evidence_files.load(root, version) if self.use_evidence else None
+        ev_stamp = None if ev is None else (ev[0], ev[1])
+        stamp = (version, cal_stamp, choice_stamp, ev_stamp, self.default)
         if stamp == self._loaded:
             return self.calibrator is not None
         old = self.served
@@ -285,6 +326,13 @@ class ServedCalibration:
             use = bool(record.get("lambda_source") == "calibrator" and compared == cal_v)
         else:  # a data directory from before the choice was recorded: as it served then
             params, use = self.default, cal is not None
+        model = None
+        if self.use_evidence:
+            model = PRIOR if ev is None else ev[1]
+            if ev is not None:  # k and T the evidence was fitted with
+                params = replace(params, k=int(ev[2]["k"]), temperature=float(ev[2]["temperature"]))
+            # the calibrator serves only where it beat the evidence on the same tokens
+            use = bool(use and record.get("lambda_source") == "calibrator")
         self.served = ServedInterpolation(
             params=params,
             version=version,
@@ -295,6 +343,7 @@ class ServedCalibration:
             gate=gate,
             theta=old.theta,
             lexical=lexical,
+            evidence=model,
         )
         self._loaded = stamp
         return self.calibrator is not None
@@ -320,7 +369,9 @@ class ServedCalibration:
         self, choice: ConstantChoice, grid: TuneGrid, index_root: Path, version: int
     ) -> dict[str, Any]:
         """:func:`memlm.calibrator.retrain.choose` on the tokens merged so far."""
-        return build_time.choose(self.training_rows(), choice, grid, index_root, version)
+        return build_time.choose(
+            self.training_rows(), choice, grid, index_root, version, evidence=self.use_evidence
+        )
 
     # --- the training set (:class:`HeldoutSet`) -------------------------------------------
 

@@ -65,11 +65,14 @@ class EngineCore:
         grid: TuneGrid | None = SERVED_GRID,
         tune_min_tokens: int = MIN_TUNE_TOKENS,
         memory_url: str | None = None,
+        evidence: bool = False,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
         serve ``knn`` always); ``tune_min_tokens``: held-out tokens with a neighbour needed
-        to tune. ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
+        to tune; ``evidence``: lambda per token from the retrieval evidence
+        (memlm.calibrator.evidence; the service turns it on unless the settings fix
+        lambda), not the constant ``knn``'s lambda; never with a grid that fixes lambda. ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
         ``data_dir``; ``milvus://host:port/collection``: a Milvus collection)."""
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
@@ -109,8 +112,14 @@ class EngineCore:
         self._building = 0
         # The served interpolation (constant k, T, lambda or the calibrator) of the served
         # index version; every call reads ``self.calibration.served`` once.
+        evidence = evidence and len(self.grid.lambdas) > 1
         self.calibration = ServedCalibration(
-            self.data_dir, encoder.vocab_size, theta=gate_theta, shared=shared, default=default
+            self.data_dir,
+            encoder.vocab_size,
+            theta=gate_theta,
+            shared=shared,
+            default=default,
+            evidence=evidence,
         )
         self.calibration.load_for(self.data_dir / "index", self.served_version)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
@@ -154,7 +163,8 @@ class EngineCore:
         # the calibrator's density features describe the top 10 neighbours
         width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
         dist, ids, vals = self.memory.search(out.keys, width)
-        lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals)
+        qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
+        lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm)
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
         scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
         return scores, lam, (dist, ids, vals)

@@ -49,6 +49,7 @@ class Engine(
         precision: str = "float32",
         device: str = "cpu",
         memory_url: str | None = None,
+        evidence: bool = False,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -76,4 +77,5 @@ class Engine(
             grid=grid,
             tune_min_tokens=tune_min_tokens,
             memory_url=memory_url,
+            evidence=evidence,
         )

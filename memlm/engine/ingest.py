@@ -60,15 +60,14 @@ class IngestMixin(EngineCore):
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
-        self._record_heldout(doc_id, day, out, search)
         scores = replace(scores, doc_id=doc_id)  # RandMem's mask is the document's own
+        store = pol.decide(scores)
+        self._record_heldout(doc_id, day, out, search, store)
         spans = self.char_spans(text)
         ok = len(spans) == len(token_ids)
         if not ok:  # offsets of another tokenisation would mark the wrong characters
             log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
-        return PreparedDocument(
-            doc_id, day, token_ids, out, pol.decide(scores), spans if ok else None
-        )
+        return PreparedDocument(doc_id, day, token_ids, out, store, spans if ok else None)
 
     def store_document(
         self, prep: PreparedDocument, *, crash_at: str | None = None
@@ -106,12 +105,15 @@ class IngestMixin(EngineCore):
         day: int,
         out: TokenOutputs,
         search: tuple[np.ndarray, np.ndarray] | None,
+        store: np.ndarray,
     ) -> None:
         """Record the document's held-out tokens for the calibrator if it is sampled.
 
         ``search``: the policy's (distances, values) against the memory served now, reused
         when it holds enough neighbours; FullMem and RandMem do not search, so a sampled
-        document costs them one search here.
+        document costs them one search here.  ``store``: the policy's decision; the seen
+        view adds the entries it is about to append to that search (exactly, with the
+        float16 keys the datastore will hold).
         """
         self.calibration.refresh_lexical()
         if not self.heldout.cfg.enabled or self.calibration.lexical.counted(doc_id):
@@ -128,6 +130,10 @@ class IngestMixin(EngineCore):
         else:
             dist, _, vals = self.memory.search(out.keys[rows], width)
         n = len(rows)
+        queries = out.keys[rows].astype(np.float32)
+        seen_d, seen_v = seen_view(
+            queries, dist, vals, out.keys[store].astype(np.float16), out.targets[store]
+        )
         self.heldout.record(
             doc_id,
             day,
@@ -142,6 +148,9 @@ class IngestMixin(EngineCore):
                 "lexical": self.calibration.lexical.features(out.prev_tokens[rows]),
                 "day": np.full(n, day, np.int32),
                 "doc": np.full(n, doc_id, np.int64),
+                "qnorm": (queries.astype(np.float64) ** 2).sum(axis=1).astype(np.float32),
+                "seen_distances": seen_d,
+                "seen_values": seen_v,
             },
         )
 
@@ -171,3 +180,31 @@ class IngestMixin(EngineCore):
         with self.exclusive(), self._write_lock:
             self.datastore.truncate(n)
             self.index.refresh()
+
+
+def seen_view(
+    queries: np.ndarray,
+    dist: np.ndarray,
+    vals: np.ndarray,
+    own_keys: np.ndarray,
+    own_values: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The search results once a document's own entries join the memory: its stored
+    (float16) keys searched exactly and merged with the memory's results by distance.
+
+    queries (n, d) float32; dist, vals (n, K) the search before the append; own_keys (m, d),
+    own_values (m,).  Returns (n, K) float32 distances and int32 values, as the search would.
+    """
+    width = dist.shape[1]
+    if not len(own_keys):
+        return dist.astype(np.float32), vals.astype(np.int32)
+    own = own_keys.astype(np.float32)
+    d_own = (
+        (queries**2).sum(axis=1)[:, None] - 2.0 * queries @ own.T + (own**2).sum(axis=1)[None, :]
+    )  # (n, m) squared L2
+    d_own = np.maximum(d_own, 0.0)
+    all_d = np.concatenate([dist.astype(np.float32), d_own.astype(np.float32)], axis=1)
+    all_v = np.concatenate([vals.astype(np.int32), np.broadcast_to(own_values, d_own.shape)], 1)
+    all_d = np.where(all_v >= 0, all_d, np.inf)
+    order = np.argsort(all_d, axis=1, kind="stable")[:, :width]
+    return np.take_along_axis(all_d, order, 1), np.take_along_axis(all_v, order, 1).astype(np.int32)

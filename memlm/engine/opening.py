@@ -77,6 +77,8 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
             max_tokens=settings.calibrator_max_tokens,
         ),
         memory_url=settings.memory_url,
+        # lambda per token from the retrieval evidence, unless the settings fix lambda
+        evidence=settings.knn_lambda is None,
         **extra,
     )
     return engine

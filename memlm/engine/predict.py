@@ -156,9 +156,10 @@ class PredictMixin(EngineCore):
                 keys[looked_up].float().numpy(), k
             )
         kk, temperature = served.params.k, served.params.temperature
-        cal = served.calibrated(top, ent, prev, dist[:, :kk], vals[:, :kk])
+        qnorm = (keys.float() ** 2).sum(dim=1).numpy()  # (R,) the evidence's distance scale
+        lam = served.token_lambdas(top, ent, prev, dist[:, :kk], vals[:, :kk], qnorm)
         valid = search & has_neighbours(eids[:, :kk])
-        lam = np.where(valid, cal if cal is not None else served.params.lmbda, 0.0)
+        lam = np.where(valid, lam, 0.0)
         knn = np.zeros_like(lm)
         for r in np.flatnonzero(valid):
             d, v = dist[r, :kk], vals[r, :kk]

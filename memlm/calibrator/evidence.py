@@ -1,0 +1,303 @@
+"""Lambda from retrieval evidence: trust the memory where it holds the context, per token.
+
+One constant lambda cannot serve both text the memory holds and text it does not: tuned on
+held-out tokens (which the memory has, by construction, not seen) it learns "do not trust
+the memory" and switches it off for the text a user just ingested too.  Following
+Drozdov et al. 2022 (lambda by retrieval quality) and He et al. 2021 (retrieve where it
+helps), lambda here follows the evidence of each query:
+
+    s     = sqrt(d_1 / |q|^2)        relative L2 distance to the nearest neighbour
+    agree = p_kNN(value of the nearest neighbour)   (at the served k and T)
+    lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree))
+
+``s`` is on the scale of the query itself, so the same prior reads any model's keys
+(the kNN key is the input of the last MLP, right after a norm layer: |q|^2 varies by
++-10% for SmolLM2-135M, 80-112 over news, held-out and unrelated text).  Three numbers
+and a cap, with a prior measured on SmolLM2-135M (docs/calibrator.md, "Lambda from
+retrieval evidence"): an exact copy of the context (s ~ 0) whose neighbours agree gets
+lambda ~ 0.99; a paraphrase's name tokens (s ~ 0.2-0.35) 0.1-0.9; unrelated text (s >=
+0.5) below 0.002.  Every build refits the three numbers (MAP, the prior as a Gaussian
+around them) on the held-out tokens the worker recorded, each seen twice: as held out
+(searched before its document joined the memory) and as seen (the same search with the
+document's own stored entries in memory: the case of a user asking about what they just
+ingested, which held-out tokens never show).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memlm.knnlm import neighbour_log_weights
+
+EVIDENCE_FILE = "evidence.json"  # beside each index version: v000042/evidence.json
+# lambda never reaches 1: an exact copy of a context that went on differently (two
+# articles with the same lead) then costs at most log(100) on that token, not all of it
+LAMBDA_MAX = 0.99
+# agreement floor inside the log (one neighbour value among 1,000 equal ones)
+AGREE_MIN = 1e-3
+# relative distances beyond this are all "far" (keeps the logit bounded for odd keys)
+S_MAX = 2.0
+
+
+@dataclass(frozen=True)
+class EvidenceModel:
+    """lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree))."""
+
+    # Prior: from 42 ingested articles (8.8k entries) of the bundled news, SmolLM2-135M,
+    # T 2 (docs/calibrator.md): the best lambda was 0.999 on exact copies, 0.3-0.9 for
+    # paraphrases at s 0.17-0.32, 0.005-0.1 for held-out news at s 0.4-0.45, and 0 for
+    # unrelated text (s >= 0.5); logit lambda is close to linear in s over that range.
+    bias: float = 6.0
+    w_dist: float = -25.0
+    w_agree: float = 6.0
+    lambda_max: float = LAMBDA_MAX
+    source: str = "prior"  # "prior" | "fitted"
+    fitted_tokens: int = 0  # held-out rows (each counted once) behind a fit
+
+    @property
+    def theta(self) -> np.ndarray:
+        return np.array([self.bias, self.w_dist, self.w_agree], np.float64)
+
+    def lambdas(
+        self, distances: np.ndarray, values: np.ndarray, qnorm: np.ndarray, temperature: float
+    ) -> np.ndarray:
+        """(n,) lambda of each query; 0 where it has no neighbour.
+
+        distances, values: (n, k) squared L2 and next tokens, values -1 for padding;
+        qnorm: (n,) squared L2 norm of each query key.
+        """
+        s, agree = features(distances, values, qnorm, temperature)
+        return self.from_features(s, agree) * (values[:, 0] >= 0) if len(values) else np.zeros(0)
+
+    def from_features(self, s: np.ndarray, agree: np.ndarray) -> np.ndarray:
+        z = self.bias + self.w_dist * s + self.w_agree * np.log(np.maximum(agree, AGREE_MIN))
+        return self.lambda_max / (1.0 + np.exp(-z))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EvidenceModel:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+PRIOR = EvidenceModel()
+# Standard deviations of the Gaussian prior around PRIOR's (bias, w_dist, w_agree), and
+# its weight in held-out tokens: 512 tokens of data move a parameter by about one sd.
+PRIOR_SD = np.array([2.0, 8.0, 3.0])
+PRIOR_TOKENS = 512
+
+
+def features(
+    distances: np.ndarray, values: np.ndarray, qnorm: np.ndarray, temperature: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(s, agree) of each query: relative distance to the nearest, and the kNN share of
+    the nearest neighbour's value (neighbours sorted by distance, -1 values pad)."""
+    n = len(values)
+    if n == 0:
+        return np.zeros(0), np.zeros(0)
+    valid = values >= 0
+    d1 = np.where(valid[:, 0], np.maximum(distances[:, 0].astype(np.float64), 0.0), np.inf)
+    q = np.maximum(np.asarray(qnorm, np.float64), 1e-12)
+    s = np.minimum(np.sqrt(d1 / q), S_MAX)
+    w = np.exp(neighbour_log_weights(distances, np.where(valid, 0, -1), temperature))
+    agree = (w * (values == values[:, :1])).sum(axis=1)
+    return s, np.where(valid[:, 0], agree, 0.0)
+
+
+def fit(
+    rows: dict[str, np.ndarray],
+    k: int,
+    temperature: float,
+    *,
+    prior: EvidenceModel = PRIOR,
+    steps: int = 200,
+) -> tuple[EvidenceModel, float]:
+    """MAP fit of (bias, w_dist, w_agree) on held-out rows; returns the model and its mean
+    NLL on them.  ``rows``: a :func:`views` result (target_lm_logprob, distances, values,
+    gold, qnorm, and ``weight`` per row)."""
+    import torch
+
+    from memlm.knnlm import knn_logprob
+
+    k = min(k, rows["values"].shape[1])
+    d, v = rows["distances"][:, :k], rows["values"][:, :k]
+    s, agree = features(d, v, rows["qnorm"], temperature)
+    knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, rows["gold"][:, None], temperature)[:, 0]
+    has = v[:, 0] >= 0
+    wt = rows["weight"] * has
+    total = float(wt.sum())
+    if total <= 0:
+        return prior, float("nan")
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    agree = np.log(np.maximum(agree, AGREE_MIN))
+    s_t, a_t, lm_t, knn_t, w_t = t(s[has]), t(agree[has]), t(rows["target_lm_logprob"][has]), t(
+        knn[has]
+    ), t(wt[has] / total)
+    theta0, sd = t(prior.theta), t(PRIOR_SD)
+    theta = theta0.clone().requires_grad_(True)
+    log_max = math.log(prior.lambda_max)
+    penalty = PRIOR_TOKENS / max(total, 1.0)
+
+    def nll() -> torch.Tensor:
+        z = theta[0] + theta[1] * s_t + theta[2] * a_t
+        log_lam = log_max + torch.nn.functional.logsigmoid(z)
+        log_1m = torch.log1p(-torch.exp(log_lam))
+        mix = torch.logaddexp(log_1m + lm_t, log_lam + knn_t)
+        return -(w_t * mix).sum()
+
+    opt = torch.optim.LBFGS([theta], lr=0.5, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nll() + 0.5 * penalty * (((theta - theta0) / sd) ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        value = float(nll())
+    b, wd, wa = (float(x) for x in theta.detach())
+    if not all(math.isfinite(x) for x in (b, wd, wa, value)):
+        return prior, float("nan")
+    fitted = replace(prior, bias=b, w_dist=wd, w_agree=wa, source="fitted", fitted_tokens=int(has.sum()))
+    return fitted, value
+
+
+def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, np.ndarray]:
+    """Held-out rows as the fit reads them: each token once as held out and, where its
+    record has one, once as seen (its document's own entries in memory).
+
+    The two views share ``seen_share`` of the weight so that neither regime (known text,
+    unseen text) is decided by how many tokens of each happen to be recorded.  Rows
+    without a query norm (recorded before it was kept) are left out.
+    """
+    rows = {**rows, "qnorm": rows.get("qnorm", np.full(len(rows["gold"]), np.nan))}
+    ok = np.isfinite(rows["qnorm"])
+    base = {k: rows[k][ok] for k in ("target_lm_logprob", "distances", "values", "gold", "qnorm")}
+    n = int(ok.sum())
+    seen_ok = (
+        rows["seen_values"][ok][:, 0] >= 0
+        if "seen_values" in rows and n
+        else np.zeros(n, bool)
+    )
+    m = int(seen_ok.sum())
+    if m == 0:
+        return {**base, "weight": np.ones(n)}
+    width = min(base["values"].shape[1], rows["seen_values"].shape[1])
+    seen = {
+        "target_lm_logprob": base["target_lm_logprob"][seen_ok],
+        "distances": rows["seen_distances"][ok][seen_ok][:, :width],
+        "values": rows["seen_values"][ok][seen_ok][:, :width],
+        "gold": base["gold"][seen_ok],
+        "qnorm": base["qnorm"][seen_ok],
+    }
+    out = {
+        k: np.concatenate([base[k][:, :width] if base[k].ndim == 2 else base[k], seen[k]])
+        for k in base
+    }
+    out["weight"] = np.concatenate(
+        [np.full(n, (1 - seen_share) / n), np.full(m, seen_share / m)]
+    ) * (n + m)
+    out["seen"] = np.concatenate([np.zeros(n, bool), np.ones(m, bool)])
+    return out
+
+
+def save(index_root: Path, version: int, model: EvidenceModel, record: dict[str, Any]) -> Path:
+    """Write a version's ``evidence.json`` atomically (temp + ``os.replace``)."""
+    path = Path(index_root) / f"v{version:06d}" / EVIDENCE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w") as f:
+        json.dump({"model": model.to_json(), **record}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load(index_root: Path, version: int | None) -> tuple[int, EvidenceModel, dict[str, Any]] | None:
+    """The newest ``evidence.json`` at or below ``version``: (its version, model, record)."""
+    if version is None:
+        return None
+    root = Path(index_root)
+    found = sorted(
+        int(p.parent.name[1:])
+        for p in root.glob(f"v*/{EVIDENCE_FILE}")
+        if p.parent.name[1:].isdigit() and int(p.parent.name[1:]) <= version
+    )
+    if not found:
+        return None
+    v = found[-1]
+    rec = json.loads((root / f"v{v:06d}" / EVIDENCE_FILE).read_text())
+    return v, EvidenceModel.from_json(rec.pop("model")), rec
+
+
+def nll(rows: dict[str, np.ndarray], model: EvidenceModel, k: int, temperature: float) -> float:
+    """Weighted mean NLL of the gold tokens of :func:`views` rows under ``model`` (rows
+    without a neighbour keep the LM)."""
+    from memlm.knnlm import interpolate, knn_logprob
+
+    if not len(rows["gold"]):
+        return float("nan")
+    k = min(k, rows["values"].shape[1])
+    d, v = rows["distances"][:, :k], rows["values"][:, :k]
+    knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, rows["gold"][:, None], temperature)[:, 0]
+    lam = model.lambdas(d, v, rows["qnorm"], temperature)
+    lp = interpolate(rows["target_lm_logprob"].astype(np.float64), knn, lam, v[:, 0] >= 0)
+    return float(-(rows["weight"] * lp).sum() / rows["weight"].sum())
+
+
+def subset(rows: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of a held-out set (one entry per token) where ``mask`` holds."""
+    return {k: v[mask] for k, v in rows.items() if len(v) == len(mask)}
+
+
+def choose(
+    rows: dict[str, np.ndarray],
+    k: int,
+    temperatures: tuple[float, ...],
+    val: np.ndarray,
+    *,
+    default_temperature: float,
+) -> tuple[EvidenceModel, dict[str, Any]]:
+    """Fit the evidence on the rows outside ``val`` for each temperature; keep the one with
+    the lowest validation NLL (both views), or the prior when it is as good or there is
+    nothing to fit.  Returns the model and the record saved beside the version."""
+    has_q = np.isfinite(rows["qnorm"]) if "qnorm" in rows else np.zeros(len(rows["gold"]), bool)
+    train_rows, val_rows = views(subset(rows, has_q & ~val)), views(subset(rows, has_q & val))
+    rec: dict[str, Any] = {
+        "k": k,
+        "temperature": default_temperature,
+        "train_tokens": int((has_q & ~val).sum()),
+        "val_tokens": int((has_q & val).sum()),
+        "seen_tokens": int(train_rows.get("seen", np.zeros(0, bool)).sum()),
+    }
+    if not len(train_rows["gold"]) or not len(val_rows["gold"]):
+        return PRIOR, {**rec, "source": "prior", "reason": "no held-out tokens with a query norm"}
+    bare = replace(PRIOR, lambda_max=0.0)
+    rec["bare_val_nll"] = nll(val_rows, bare, k, default_temperature)
+    best = (nll(val_rows, PRIOR, k, default_temperature), PRIOR, default_temperature)
+    rec["prior_val_nll"] = best[0]
+    tried = []
+    for t in temperatures:
+        model, _ = fit(train_rows, k, t)
+        v = nll(val_rows, model, k, t)
+        tried.append({"temperature": t, "val_nll": v, **model.to_json()})
+        if math.isfinite(v) and v < best[0]:
+            best = (v, model, t)
+    rec.update(
+        temperature=best[2],
+        val_nll=best[0],
+        source=best[1].source,
+        tried=tried,
+    )
+    return best[1], rec
