@@ -34,7 +34,8 @@ The API, all of it:
 - :func:`open_served_engine`: settings over a fresh data directory and SQLite database,
   migrated, and the engine the service would open on them;
 - :func:`memorise`: queue documents and let an in-process ingest worker memorise them
-  and build the index (what a served engine holds before it is timed);
+  and build the index (what a served engine holds before it is timed); :func:`rebuild`:
+  one more build;
 - :func:`serving`: ``with serving(app) as base_url:`` a real uvicorn in a thread.
 """
 
@@ -258,32 +259,57 @@ def open_served_engine(
     return config, engine, t.seconds
 
 
-def memorise(engine: Any, settings: Any, docs: Iterable[Any]) -> float:
+def memorise(engine: Any, settings: Any, docs: Iterable[Any], *, build: bool = True) -> float:
     """Queue ``docs`` (``memlm.corpus.Document``), memorise them with an in-process ingest
-    worker (the settings' policy), then build the index; returns the seconds it took."""
+    worker (the settings' policy), then build the index unless ``build`` is False;
+    returns the seconds it took."""
     from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument
+
+    with _worker(engine, settings) as (worker, sessions):
+        with sessions.begin() as s:
+            DocumentRepository(s).add_many(
+                NewDocument(
+                    text=d.text, published_at=d.published_at, source=d.source, title=d.title
+                )
+                for d in docs
+            )
+        with stopwatch() as t:
+            while worker.step() is not None:
+                pass
+            if build:
+                with sessions.begin() as s:
+                    BuildRepository(s).request(None, "bench")
+                worker.step()
+    return t.seconds
+
+
+def rebuild(engine: Any, settings: Any) -> float:
+    """One build requested as ``POST /admin/rebuild`` would, run by an in-process worker."""
+    from memlm.db.repositories import BuildRepository
+
+    with _worker(engine, settings) as (worker, sessions), stopwatch() as t:
+        with sessions.begin() as s:
+            BuildRepository(s).request(None, "bench")
+        worker.step()
+    return t.seconds
+
+
+@contextmanager
+def _worker(engine: Any, settings: Any) -> Iterator[tuple[Any, Any]]:
+    """An in-process ingest worker on the settings' database, and its session factory."""
     from memlm.db.session import make_engine, make_sessionmaker
     from memlm.engine import policy_factory
     from workers.ingest import IngestWorker
 
     db = make_engine(settings.db_url)
     sessions = make_sessionmaker(db)
-    with sessions.begin() as s:
-        DocumentRepository(s).add_many(
-            NewDocument(text=d.text, published_at=d.published_at, source=d.source, title=d.title)
-            for d in docs
-        )
     worker = IngestWorker(engine, sessions, settings, policy_factory=policy_factory)
     worker.start(timeout=5)
-    with stopwatch() as t:
-        while worker.step() is not None:
-            pass
-        with sessions.begin() as s:
-            BuildRepository(s).request(None, "bench")
-        worker.step()
-    worker.lock.release()
-    db.dispose()
-    return t.seconds
+    try:
+        yield worker, sessions
+    finally:
+        worker.lock.release()
+        db.dispose()
 
 
 @contextmanager

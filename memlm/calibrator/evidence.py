@@ -139,9 +139,13 @@ def fit(
         return prior, float("nan")
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
     agree = np.log(np.maximum(agree, AGREE_MIN))
-    s_t, a_t, lm_t, knn_t, w_t = t(s[has]), t(agree[has]), t(rows["target_lm_logprob"][has]), t(
-        knn[has]
-    ), t(wt[has] / total)
+    s_t, a_t, lm_t, knn_t, w_t = (
+        t(s[has]),
+        t(agree[has]),
+        t(rows["target_lm_logprob"][has]),
+        t(knn[has]),
+        t(wt[has] / total),
+    )
     theta0, sd = t(prior.theta), t(PRIOR_SD)
     theta = theta0.clone().requires_grad_(True)
     log_max = math.log(prior.lambda_max)
@@ -168,7 +172,9 @@ def fit(
     b, wd, wa = (float(x) for x in theta.detach())
     if not all(math.isfinite(x) for x in (b, wd, wa, value)):
         return prior, float("nan")
-    fitted = replace(prior, bias=b, w_dist=wd, w_agree=wa, source="fitted", fitted_tokens=int(has.sum()))
+    fitted = replace(
+        prior, bias=b, w_dist=wd, w_agree=wa, source="fitted", fitted_tokens=int(has.sum())
+    )
     return fitted, value
 
 
@@ -185,9 +191,7 @@ def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, 
     base = {k: rows[k][ok] for k in ("target_lm_logprob", "distances", "values", "gold", "qnorm")}
     n = int(ok.sum())
     seen_ok = (
-        rows["seen_values"][ok][:, 0] >= 0
-        if "seen_values" in rows and n
-        else np.zeros(n, bool)
+        rows["seen_values"][ok][:, 0] >= 0 if "seen_values" in rows and n else np.zeros(n, bool)
     )
     m = int(seen_ok.sum())
     if m == 0:
@@ -301,3 +305,61 @@ def choose(
         tried=tried,
     )
     return best[1], rec
+
+
+def stream(
+    dev: dict[str, np.ndarray],
+    test: dict[str, np.ndarray],
+    k: int,
+    temperatures: tuple[float, ...],
+) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """``memlm eval --lambda evidence``: each day, fit on the dev tokens of days <= d (for
+    each temperature; the lowest NLL on them wins) and score that day's test tokens.
+
+    Returns the test log-probs, each test token's lambda, and one record per day (the
+    model and temperature used).  The prior serves the days before any dev token.
+    """
+    from memlm.knnlm import interpolate, knn_logprob
+
+    n = len(test["gold"])
+    out, lam_out = np.zeros(n), np.zeros(n)
+    days = sorted(set(test["day"].tolist()))
+    qd = dev.get("qnorm", np.full(len(dev["gold"]), np.nan))
+    qt = test.get("qnorm", np.full(n, np.nan))
+    if n and not np.isfinite(qt).all():
+        raise ValueError(
+            "the test tokens have no query norms: search them again (--resume not possible)"
+        )
+    model, temperature, seen_dev = PRIOR, temperatures[0], -1
+    records = []
+    for day in days:
+        use = (dev["day"] <= day) & np.isfinite(qd)
+        if int(use.sum()) != seen_dev and use.any():
+            seen_dev = int(use.sum())
+            model, temperature = fit_best(
+                views({**subset(dev, use), "qnorm": qd[use]}), k, temperatures
+            )
+        rows_t = np.flatnonzero(test["day"] == day)
+        d = test["distances"][rows_t, :k]
+        v = test["values"][rows_t, :k]
+        knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, test["gold"][rows_t, None], temperature)
+        lam = model.lambdas(d, v, qt[rows_t], temperature)
+        lm = test["target_lm_logprob"][rows_t].astype(np.float64)
+        out[rows_t] = interpolate(lm, knn[:, 0], lam, v[:, 0] >= 0)
+        lam_out[rows_t] = lam
+        records.append({"day": int(day), "temperature": temperature, **model.to_json()})
+    return out, lam_out, records
+
+
+def fit_best(
+    rows: dict[str, np.ndarray], k: int, temperatures: tuple[float, ...]
+) -> tuple[EvidenceModel, float]:
+    """The fit (:func:`fit`) with the lowest NLL on ``rows`` over ``temperatures``, and its
+    temperature; the prior at the first temperature when nothing can be fitted."""
+    best: tuple[float, EvidenceModel, float] | None = None
+    if len(rows["gold"]):
+        for t in temperatures:
+            m, v = fit(rows, k, t)
+            if math.isfinite(v) and (best is None or v < best[0]):
+                best = (v, m, t)
+    return (PRIOR, temperatures[0]) if best is None else (best[1], best[2])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator.model import (
     CALIBRATOR_DIR,
     Calibrator,
@@ -23,7 +24,6 @@ from memlm.calibrator.model import (
     gate_config,
     with_prior,
 )
-from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator.stream import StreamCalibrator, token_rows, training_set, validation_rows
 from memlm.knnlm import KnnParams, interpolate
 
@@ -139,7 +139,9 @@ def choose(
         },
         "lambda_source": source,
         "calibrator": compared,
-        "evidence": None if ev_record is None else {k: v for k, v in ev_record.items() if k != "tried"},
+        "evidence": None
+        if ev_record is None
+        else {k: v for k, v in ev_record.items() if k != "tried"},
     }
     save_choice(index_root, version, record)
     return record

@@ -18,6 +18,7 @@ class LambdaMode(StrEnum):
 
     constant = "constant"  # one lambda tuned on dev
     calibrated = "calibrated"  # the NN calibrator trained day by day on dev
+    evidence = "evidence"  # lambda per token from the retrieval evidence, fitted on dev
 
 
 def eval_command(
@@ -75,7 +76,9 @@ def eval_command(
     lambda_mode: LambdaMode = typer.Option(
         LambdaMode.constant,
         "--lambda",
-        help="constant (tuned on dev) or calibrated (NN calibrator trained day by day on dev)",
+        help="constant (tuned on dev), calibrated (NN calibrator trained day by day on dev) or "
+        "evidence (lambda per token from the neighbours' distance and agreement, fitted day by "
+        "day on dev: what the service serves)",
     ),
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"

@@ -270,6 +270,8 @@ def _evaluate(
             cache,
             workroot / name,
             ingest_params=cfg.ingest,
+            # MoNIM decides with the lambda the report scores with (the service's)
+            ingest_evidence=cfg.lambda_mode == "evidence" and cfg.ingest is None,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             trime=cfg.trime,

@@ -26,6 +26,8 @@ class EvalTokens:
     lexical: list[np.ndarray] = field(default_factory=list)  # (n, 2) LexicalStats.features
     # TRIME Eq. 6 log p(gold) with local/long-term memory, one column per tau (optional)
     trime: list[np.ndarray] = field(default_factory=list)  # (n, len(taus)) float64
+    # squared norm of each query key: the evidence interpolation's distance scale
+    qnorm: list[np.ndarray] = field(default_factory=list)  # (n,) float32
 
     def add(
         self,
@@ -46,6 +48,7 @@ class EvalTokens:
         self.top_logprob.append(o.top_logprob)
         self.entropy.append(o.entropy)
         self.lexical.append(lexical)
+        self.qnorm.append((o.keys.astype(np.float64) ** 2).sum(axis=1).astype(np.float32))
         if trime is not None:
             self.trime.append(trime)
 
@@ -62,6 +65,7 @@ class EvalTokens:
                 "entropy": np.zeros(0, np.float32),
                 "lexical": np.zeros((0, 2), np.float32),
                 "trime": np.zeros((0, 0)),
+                "qnorm": np.zeros(0, np.float32),
             }
         out = {
             f.name: np.concatenate(getattr(self, f.name)) for f in fields(self) if f.name != "trime"
@@ -110,6 +114,8 @@ def eval_tokens_of(arrays: dict[str, np.ndarray]) -> EvalTokens:
     """The EvalTokens whose ``arrays()`` are ``arrays`` (one chunk per field)."""
     out = EvalTokens()
     for f in fields(out):
+        if f.name == "qnorm" and "qnorm" not in arrays:  # searched before it was kept
+            arrays = {**arrays, "qnorm": np.full(len(arrays["gold"]), np.nan, np.float32)}
         a = arrays[f.name]
         if f.name == "trime" and a.size == 0:
             continue

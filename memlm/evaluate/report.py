@@ -46,10 +46,12 @@ def build_report(
             test_lp = token_logprobs(run.test, params)
             if cfg.lambda_mode == "calibrated":
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
+            elif cfg.lambda_mode == "evidence":
+                test_lp, calibrated = _evidence_test(run, params)
         scores.add(name, test_lp)
         constant_lps[name] = token_logprobs(run.test, params) if name != "bare" else test_lp
         results[name] = {
-            **(calibrated if name != "bare" and cfg.lambda_mode == "calibrated" else {}),
+            **(calibrated if name != "bare" and cfg.lambda_mode != "constant" else {}),
             "test_ppl": ppl(test_lp),
             "test_ppl_ci95": _ci(test_lp, doc_keys, cfg),
             "dev_ppl": dev_ppl,
@@ -193,6 +195,22 @@ def _calibrated_test(
         "constant_lambda_test_ppl": ppl(token_logprobs(run.test, params)),
         "mean_calibrated_lambda": float(res.lambdas[valid].mean()) if valid.any() else 0.0,
         "searches_skipped": res.skipped_share,
+    }
+
+
+def _evidence_test(run: PolicyRun, params: KnnParams) -> tuple[np.ndarray, dict[str, Any]]:
+    """Test log-probabilities with the evidence interpolation fitted day by day on dev
+    (memlm.calibrator.evidence.stream), at the k tuned on dev."""
+    from memlm.calibrator.evidence import stream
+    from memlm.interpolation import SERVED_GRID
+
+    temps = tuple(sorted({*SERVED_GRID.temperatures, params.temperature}))
+    lp, lam, days = stream(run.dev, run.test, params.k, temps)
+    valid = has_neighbours(np.where(run.test["values"][:, : params.k] >= 0, 0, -1))
+    return lp, {
+        "constant_lambda_test_ppl": ppl(token_logprobs(run.test, params)),
+        "mean_evidence_lambda": float(lam[valid].mean()) if valid.any() else 0.0,
+        "evidence_last_day": days[-1] if days else None,
     }
 
 

@@ -6,11 +6,12 @@ import datetime as dt
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from memlm.calibrator.evidence import PRIOR, EvidenceModel, fit_best, views
 from memlm.corpus import Document
 from memlm.datastore import Datastore
 from memlm.encoder import TokenOutputs, WindowConfig
@@ -81,6 +82,7 @@ def run_policy(
     workdir: Path,
     *,
     ingest_params: KnnParams | None,
+    ingest_evidence: bool = False,
     k_max: int,
     index_kind: str = "auto",
     on_day: Callable[[DayStats], None] | None = None,
@@ -99,6 +101,8 @@ def run_policy(
     would serve, ``served_default`` until the dev tokens of the days so far (each searched
     against its evening's memory, as the service's held-out tokens are) choose one from
     ``served_grid`` after an evening's build, as the service does at its nightly build.
+    ``ingest_evidence``: lambda per token from the retrieval evidence instead of the
+    constant's (the prior, then fitted each evening on the dev tokens so far).
 
     Every finished day is checkpointed (memlm.evaluate.checkpoint); ``resume`` goes on
     from the last one.  ``rescore``: at the end of each month of the plan, every test
@@ -143,6 +147,11 @@ def run_policy(
             "lambda": knn.lmbda,
             "source": state.served["source"],
         }
+        evidence = None
+        if ingest_evidence and policy is not None and policy.needs_augmented:
+            evidence = EvidenceModel.from_json(state.served.get("evidence") or PRIOR.to_json())
+            asked["lambda"] = "evidence"
+            asked["evidence"] = evidence.to_json()
         outs = cache.get_many([d.text for d in plan.train])
         for o in outs:
             state.doc_no += 1
@@ -153,7 +162,11 @@ def run_policy(
                 continue
             if policy.needs_augmented:
                 dist, _, vals = index.search_values(o.keys, knn.k)
-                scores = token_scores(cache.encoder, o, dist, vals, knn)
+                lam = None
+                if evidence is not None:
+                    qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
+                    lam = evidence.lambdas(dist, vals, qnorm, knn.temperature)
+                scores = token_scores(cache.encoder, o, dist, vals, knn, lmbda=lam)
                 lm_alone = TokenScores(o.target_logprob, o.top_logprob, o.key_ce)
                 day_alone += int(policy.decide(lm_alone).sum())
             else:
@@ -200,6 +213,12 @@ def run_policy(
                 dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
             )
             state.served = {"params": choice.params, "source": choice.source}
+            if ingest_evidence:  # fitted on the dev tokens so far, as a build would
+                model, temperature = fit_best(
+                    views(dev.arrays(k_max)), choice.params.k, served_grid.temperatures
+                )
+                state.served["params"] = replace(choice.params, temperature=temperature)
+                state.served["evidence"] = model.to_json()
         state.seen += day_seen
         state.stored += day_stored
         stats = DayStats(
