@@ -93,7 +93,7 @@ def test_lambda_defaults_to_constant(captured: list[Any], tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--lambda", "0.25"], "'0.25' is not one of 'constant', 'calibrated'"),
+        (["--lambda", "0.25"], "'0.25' is not one of 'constant', 'calibrated', 'evidence'"),
         (["--gate-theta", "0.1"], "needs --lambda calibrated"),
         (["--lambda", "calibrated", "--gate-theta", "1.5"], "must be in [0, 1)"),
     ],
