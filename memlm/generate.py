@@ -189,7 +189,12 @@ class Generation:
         engine, cfg = self.engine, self.cfg
         while len(out) < n and not self.done:
             nxt = engine.next_token(
-                self._key, self._hidden, np.array([self._prev]), self.served, lookup=cfg.neighbour
+                self._key,
+                self._hidden,
+                np.array([self._prev]),
+                self.served,
+                lookup=cfg.neighbour,
+                context=np.array([self.context_tokens + len(self.ids)]),
             )
             prob = nxt.prob[0]
             tok = choose(prob, cfg, self.rng)

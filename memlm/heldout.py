@@ -43,10 +43,10 @@ FIELDS = (
 )
 # Kept since the evidence interpolation (memlm.calibrator.evidence); a record or training
 # set written before lacks them and reads as: no query norm, no seen view.
-#   qnorm: (n,) squared L2 norm of each query key;
+#   qnorm: (n,) squared L2 norm of each query key; context: (n,) tokens before each;
 #   seen_distances / seen_values: (n, K) the same search with the document's own stored
 #   entries in memory (what a user asking along the text they just ingested gets).
-OPTIONAL_FIELDS = ("qnorm", "seen_distances", "seen_values")
+OPTIONAL_FIELDS = ("qnorm", "context", "seen_distances", "seen_values")
 # what a missing neighbour looks like
 _PAD = {"distances": np.inf, "values": -1, "seen_distances": np.inf, "seen_values": -1}
 
@@ -56,6 +56,7 @@ def complete(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     n, width = part["values"].shape if part["values"].ndim == 2 else (len(part["day"]), 0)
     out = dict(part)
     out.setdefault("qnorm", np.full(n, np.nan, np.float32))
+    out.setdefault("context", np.full(n, np.nan, np.float32))
     out.setdefault("seen_distances", np.full((n, width), np.inf, np.float32))
     out.setdefault("seen_values", np.full((n, width), -1, np.int32))
     return out

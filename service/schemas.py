@@ -445,7 +445,14 @@ class InterpolationOut(BaseModel):
         "(MEMLM_KNN_K, MEMLM_KNN_TEMPERATURE and MEMLM_KNN_LAMBDA all set)"
     )
     lambda_source: str = Field(
-        description="constant, or calibrator when it beat the constant on its validation tokens"
+        description="evidence (lambda per token from the neighbours' relative distance and "
+        "agreement; the default), calibrator (when it beat the evidence on the same validation "
+        "tokens) or constant (MEMLM_KNN_LAMBDA set)"
+    )
+    evidence: dict[str, Any] | None = Field(
+        default=None,
+        description="the evidence model served: bias, w_dist, w_agree, lambda_max, source "
+        "(prior, or fitted at a build) and fitted_tokens (docs/calibrator.md)",
     )
     heldout_tokens: int = Field(description="held-out tokens the choice was made on")
     heldout_ppl: float | None = Field(description="their perplexity with the constant")

@@ -398,8 +398,10 @@ def test_bundled_smollm2_score_of_a_heldout_article_is_not_worse_than_the_bare_l
     tmp_path: Path, sqlite_url: str
 ) -> None:
     """A new deployment (a few articles ingested, no calibrator, too few held-out tokens to
-    tune) serves the measured default constant: a held-out article of the same day scores
-    within 0.5% of the bare LM (the old default, lambda 0.25 at T = 5, lost up to 16%)."""
+    tune the constant) serves the evidence interpolation: a held-out article of the same day
+    scores within 0.5% of the bare LM (the old default, lambda 0.25 at T = 5, lost up to
+    16%), while an ingested article is recalled: its perplexity falls far below the LM's
+    and /predict along it ranks its own next token first."""
     from memlm.corpus import load_corpus
     from memlm.encoder import Encoder
     from memlm.evaluate import plan_stream
@@ -418,17 +420,23 @@ def test_bundled_smollm2_score_of_a_heldout_article_is_not_worse_than_the_bare_l
         env.sync()
         b = c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()
         assert b["interpolation"]["source"] == "default"
+        assert b["interpolation"]["lambda_source"] == "evidence"
         st = c.get("/admin/stats", headers=ADMIN).json()
         assert st["entries"] > 0 and st["index"]["served_version"] == b["version"]
         served = st["interpolation"]
-        assert (served["k"], served["temperature"], served["lambda"]) == (
-            SERVED_DEFAULT.k,
-            SERVED_DEFAULT.temperature,
-            SERVED_DEFAULT.lmbda,
-        )
-        assert served["lambda_source"] == "constant"
+        assert served["k"] == SERVED_DEFAULT.k and served["lambda_source"] == "evidence"
+        assert served["evidence"]["source"] in ("prior", "fitted")
         sc = c.post("/score", json={"text": plan.test[0].text}).json()
         assert sc["ppl"] <= sc["lm_ppl"] * 1.005, (sc["ppl"], sc["lm_ppl"])
+        seen = c.post("/score", json={"text": articles[0].text[:600]}).json()
+        assert seen["ppl"] < 0.5 * seen["lm_ppl"], (seen["ppl"], seen["lm_ppl"])
+        words = articles[0].text[:600].split(" ")
+        hits = 0
+        for i in range(5, 25):
+            context, nxt = " ".join(words[:i]), " " + words[i]
+            top = c.post("/predict", json={"context": context, "top_n": 1}).json()
+            hits += nxt.startswith(top["suggestions"][0]["token"])
+        assert hits >= 16, hits  # the LM alone ranks about a third of them first
 
 
 def test_stats_name_the_version_a_build_in_this_process_serves(

@@ -8,7 +8,8 @@ helps), lambda here follows the evidence of each query:
 
     s     = sqrt(d_1 / |q|^2)        relative L2 distance to the nearest neighbour
     agree = p_kNN(value of the nearest neighbour)   (at the served k and T)
-    lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree))
+    short = 1 - min(log(context tokens) / log(64), 1)   (1 for one token, 0 from 64 on)
+    lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree) + w_short * short)
 
 ``s`` is on the scale of the query itself, so the same prior reads any model's keys
 (the kNN key is the input of the last MLP, right after a norm layer: |q|^2 varies by
@@ -42,13 +43,15 @@ EVIDENCE_FILE = "evidence.json"  # beside each index version: v000042/evidence.j
 LAMBDA_MAX = 0.99
 # agreement floor inside the log (one neighbour value among 1,000 equal ones)
 AGREE_MIN = 1e-3
+# contexts of this many tokens or more count as long (the shortness feature is 0)
+SHORT_TOKENS = 64
 # relative distances beyond this are all "far" (keeps the logit bounded for odd keys)
 S_MAX = 2.0
 
 
 @dataclass(frozen=True)
 class EvidenceModel:
-    """lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree))."""
+    """lambda = lambda_max * sigmoid(bias + w_dist * s + w_agree * log(agree) + w_short * short)."""
 
     # Prior: from 42 ingested articles (8.8k entries) of the bundled news, SmolLM2-135M,
     # T 2 (docs/calibrator.md): the best lambda was 0.999 on exact copies, 0.3-0.9 for
@@ -57,27 +60,46 @@ class EvidenceModel:
     bias: float = 6.0
     w_dist: float = -25.0
     w_agree: float = 6.0
+    # A context of a few tokens ("The", "A new") is shared by many documents that go on
+    # differently: its near match is no evidence.  -6 at one token, -3 at eight, 0 at 64.
+    w_short: float = -6.0
     lambda_max: float = LAMBDA_MAX
     source: str = "prior"  # "prior" | "fitted"
     fitted_tokens: int = 0  # held-out rows (each counted once) behind a fit
 
     @property
     def theta(self) -> np.ndarray:
-        return np.array([self.bias, self.w_dist, self.w_agree], np.float64)
+        return np.array([self.bias, self.w_dist, self.w_agree, self.w_short], np.float64)
 
     def lambdas(
-        self, distances: np.ndarray, values: np.ndarray, qnorm: np.ndarray, temperature: float
+        self,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        temperature: float,
+        context: np.ndarray | None = None,
     ) -> np.ndarray:
         """(n,) lambda of each query; 0 where it has no neighbour.
 
         distances, values: (n, k) squared L2 and next tokens, values -1 for padding;
-        qnorm: (n,) squared L2 norm of each query key.
+        qnorm: (n,) squared L2 norm of each query key; context: (n,) tokens of context
+        before the predicted token (None: long contexts).
         """
+        if not len(values):
+            return np.zeros(0)
         s, agree = features(distances, values, qnorm, temperature)
-        return self.from_features(s, agree) * (values[:, 0] >= 0) if len(values) else np.zeros(0)
+        lam = self.from_features(s, agree, shortness(context, len(values)))
+        return lam * (values[:, 0] >= 0)
 
-    def from_features(self, s: np.ndarray, agree: np.ndarray) -> np.ndarray:
-        z = self.bias + self.w_dist * s + self.w_agree * np.log(np.maximum(agree, AGREE_MIN))
+    def from_features(
+        self, s: np.ndarray, agree: np.ndarray, short: np.ndarray | float = 0.0
+    ) -> np.ndarray:
+        z = (
+            self.bias
+            + self.w_dist * s
+            + self.w_agree * np.log(np.maximum(agree, AGREE_MIN))
+            + self.w_short * short
+        )
         return self.lambda_max / (1.0 + np.exp(-z))
 
     def to_json(self) -> dict[str, Any]:
@@ -92,8 +114,18 @@ class EvidenceModel:
 PRIOR = EvidenceModel()
 # Standard deviations of the Gaussian prior around PRIOR's (bias, w_dist, w_agree), and
 # its weight in held-out tokens: 512 tokens of data move a parameter by about one sd.
-PRIOR_SD = np.array([2.0, 8.0, 3.0])
+PRIOR_SD = np.array([2.0, 8.0, 3.0, 3.0])
 PRIOR_TOKENS = 512
+
+
+def shortness(context: np.ndarray | None, n: int) -> np.ndarray:
+    """(n,) 1 - min(log(context) / log(64), 1): 1 for a context of one token, 0 from 64
+    tokens on (and where the context length is unknown: records from before it was kept)."""
+    if context is None:
+        return np.zeros(n)
+    c = np.asarray(context, np.float64)
+    out = 1.0 - np.minimum(np.log(np.maximum(c, 1.0)) / math.log(SHORT_TOKENS), 1.0)
+    return np.where(np.isfinite(c), out, 0.0)
 
 
 def features(
@@ -131,6 +163,7 @@ def fit(
     k = min(k, rows["values"].shape[1])
     d, v = rows["distances"][:, :k], rows["values"][:, :k]
     s, agree = features(d, v, rows["qnorm"], temperature)
+    short = shortness(rows.get("context"), len(s))
     knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, rows["gold"][:, None], temperature)[:, 0]
     has = v[:, 0] >= 0
     wt = rows["weight"] * has
@@ -139,6 +172,7 @@ def fit(
         return prior, float("nan")
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
     agree = np.log(np.maximum(agree, AGREE_MIN))
+    sh_t = t(short[has])
     s_t, a_t, lm_t, knn_t, w_t = (
         t(s[has]),
         t(agree[has]),
@@ -152,7 +186,7 @@ def fit(
     penalty = PRIOR_TOKENS / max(total, 1.0)
 
     def nll() -> torch.Tensor:
-        z = theta[0] + theta[1] * s_t + theta[2] * a_t
+        z = theta[0] + theta[1] * s_t + theta[2] * a_t + theta[3] * sh_t
         log_lam = log_max + torch.nn.functional.logsigmoid(z)
         log_1m = torch.log1p(-torch.exp(log_lam))
         mix = torch.logaddexp(log_1m + lm_t, log_lam + knn_t)
@@ -169,11 +203,17 @@ def fit(
     opt.step(closure)
     with torch.no_grad():
         value = float(nll())
-    b, wd, wa = (float(x) for x in theta.detach())
-    if not all(math.isfinite(x) for x in (b, wd, wa, value)):
+    b, wd, wa, ws = (float(x) for x in theta.detach())
+    if not all(math.isfinite(x) for x in (b, wd, wa, ws, value)):
         return prior, float("nan")
     fitted = replace(
-        prior, bias=b, w_dist=wd, w_agree=wa, source="fitted", fitted_tokens=int(has.sum())
+        prior,
+        bias=b,
+        w_dist=wd,
+        w_agree=wa,
+        w_short=ws,
+        source="fitted",
+        fitted_tokens=int(has.sum()),
     )
     return fitted, value
 
@@ -188,7 +228,11 @@ def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, 
     """
     rows = {**rows, "qnorm": rows.get("qnorm", np.full(len(rows["gold"]), np.nan))}
     ok = np.isfinite(rows["qnorm"])
-    base = {k: rows[k][ok] for k in ("target_lm_logprob", "distances", "values", "gold", "qnorm")}
+    rows.setdefault("context", np.full(len(rows["gold"]), np.nan))
+    base = {
+        k: rows[k][ok]
+        for k in ("target_lm_logprob", "distances", "values", "gold", "qnorm", "context")
+    }
     n = int(ok.sum())
     seen_ok = (
         rows["seen_values"][ok][:, 0] >= 0 if "seen_values" in rows and n else np.zeros(n, bool)
@@ -203,6 +247,7 @@ def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, 
         "values": rows["seen_values"][ok][seen_ok][:, :width],
         "gold": base["gold"][seen_ok],
         "qnorm": base["qnorm"][seen_ok],
+        "context": base["context"][seen_ok],
     }
     out = {
         k: np.concatenate([base[k][:, :width] if base[k].ndim == 2 else base[k], seen[k]])
@@ -255,7 +300,7 @@ def nll(rows: dict[str, np.ndarray], model: EvidenceModel, k: int, temperature: 
     k = min(k, rows["values"].shape[1])
     d, v = rows["distances"][:, :k], rows["values"][:, :k]
     knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, rows["gold"][:, None], temperature)[:, 0]
-    lam = model.lambdas(d, v, rows["qnorm"], temperature)
+    lam = model.lambdas(d, v, rows["qnorm"], temperature, rows.get("context"))
     lp = interpolate(rows["target_lm_logprob"].astype(np.float64), knn, lam, v[:, 0] >= 0)
     return float(-(rows["weight"] * lp).sum() / rows["weight"].sum())
 
@@ -343,7 +388,8 @@ def stream(
         d = test["distances"][rows_t, :k]
         v = test["values"][rows_t, :k]
         knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, test["gold"][rows_t, None], temperature)
-        lam = model.lambdas(d, v, qt[rows_t], temperature)
+        ctx = test["context"][rows_t] if "context" in test else None
+        lam = model.lambdas(d, v, qt[rows_t], temperature, ctx)
         lm = test["target_lm_logprob"][rows_t].astype(np.float64)
         out[rows_t] = interpolate(lm, knn[:, 0], lam, v[:, 0] >= 0)
         lam_out[rows_t] = lam

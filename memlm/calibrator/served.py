@@ -93,17 +93,19 @@ class ServedInterpolation:
         distances: np.ndarray,
         values: np.ndarray,
         qnorm: np.ndarray,
+        context: np.ndarray | None = None,
     ) -> np.ndarray:
         """(m,) lambda of each token before the gate: the calibrator's, the evidence's or
         the constant.  distances, values: (m, >= params.k) search results sorted by
-        distance; qnorm: (m,) squared norm of each query key."""
+        distance; qnorm: (m,) squared norm of each query key; context: (m,) tokens of
+        context before each predicted token (None: long)."""
         cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
         if cal is not None:
             return cal
         if self.evidence is not None:
             k = self.params.k
             return self.evidence.lambdas(
-                distances[:, :k], values[:, :k], qnorm, self.params.temperature
+                distances[:, :k], values[:, :k], qnorm, self.params.temperature, context
             )
         return np.full(len(top_logprob), self.params.lmbda)
 
@@ -115,10 +117,13 @@ class ServedInterpolation:
         distances: np.ndarray,
         values: np.ndarray,
         qnorm: np.ndarray,
+        context: np.ndarray | None = None,
     ) -> np.ndarray:
         """(m,) lambda of each token (:meth:`token_lambdas`), 0 where the gate skips the
         search."""
-        lam = self.token_lambdas(top_logprob, entropy, prev_tokens, distances, values, qnorm)
+        lam = self.token_lambdas(
+            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
+        )
         return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0)
 
     def to_json(self) -> dict[str, Any]:

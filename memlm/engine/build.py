@@ -193,6 +193,7 @@ class BuildMixin(EngineCore):
             "entropy": o.entropy,
             "lexical": self.calibration.lexical.features(o.prev_tokens),
             "qnorm": (o.keys.astype(np.float64) ** 2).sum(axis=1).astype(np.float32),
+            "context": o.positions.astype(np.float32),
         }
         index_root = self.data_dir / "index"
         with self.building():  # the training set and the version's files have the build lock

@@ -164,7 +164,9 @@ class EngineCore:
         width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
         dist, ids, vals = self.memory.search(out.keys, width)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
-        lam = served.lambdas(out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm)
+        lam = served.lambdas(
+            out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions
+        )
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
         scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
         return scores, lam, (dist, ids, vals)

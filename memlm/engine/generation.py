@@ -46,10 +46,14 @@ class GenerateMixin(PredictMixin):
         served: ServedInterpolation,
         *,
         lookup: bool = False,
+        context: np.ndarray | None = None,
     ) -> _NextToken:
         """The augmented next-token distributions of R rows: keys (R, d), head inputs
-        (R, h), their last tokens (R,); the same computation as ``predict``."""
-        return self._next_token(keys, hidden, prev, k=served.params.k, lookup=lookup, served=served)
+        (R, h), their last tokens (R,), tokens of context before each (R,); the same
+        computation as ``predict``."""
+        return self._next_token(
+            keys, hidden, prev, k=served.params.k, lookup=lookup, served=served, context=context
+        )
 
     def nearest(self, nxt: _NextToken, row: int = 0) -> Neighbour | None:
         """The nearest neighbour of a row's search, with its provenance (None if none)."""

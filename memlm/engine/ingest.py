@@ -149,6 +149,7 @@ class IngestMixin(EngineCore):
                 "day": np.full(n, day, np.int32),
                 "doc": np.full(n, doc_id, np.int64),
                 "qnorm": (queries.astype(np.float64) ** 2).sum(axis=1).astype(np.float32),
+                "context": out.positions[rows].astype(np.float32),  # tokens before each
                 "seen_distances": seen_d,
                 "seen_values": seen_v,
             },

@@ -95,6 +95,7 @@ class PredictMixin(EngineCore):
             mems=mems,
             tau=trime.tau if trime else 1.0,
             served=served,
+            context=np.array([len(w) for w in windows]),
         )
         word_lists: list[list[WordSuggestion]] = [[] for _ in contexts]
         if words:
@@ -134,11 +135,13 @@ class PredictMixin(EngineCore):
         mems: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tau: float = 1.0,
         served: ServedInterpolation | None = None,
+        context: np.ndarray | None = None,
     ) -> _NextToken:
         """Next-token distributions of R rows from their keys (R, d) and head inputs (R, h).
 
         The retrieval gate may skip a row's search (it then keeps the LM answer); ``lookup``
-        searches every row anyway, for the neighbours the caller asked for.
+        searches every row anyway, for the neighbours the caller asked for.  ``context``:
+        (R,) tokens of context before each row's next token (None: long contexts).
         """
         served = served or self.served  # the caller's, read once for its whole call
         logits = self.encoder.logits(hidden)  # (R, V)
@@ -157,7 +160,7 @@ class PredictMixin(EngineCore):
             )
         kk, temperature = served.params.k, served.params.temperature
         qnorm = (keys.float() ** 2).sum(dim=1).numpy()  # (R,) the evidence's distance scale
-        lam = served.token_lambdas(top, ent, prev, dist[:, :kk], vals[:, :kk], qnorm)
+        lam = served.token_lambdas(top, ent, prev, dist[:, :kk], vals[:, :kk], qnorm, context)
         valid = search & has_neighbours(eids[:, :kk])
         lam = np.where(valid, lam, 0.0)
         knn = np.zeros_like(lm)

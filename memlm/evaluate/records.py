@@ -28,6 +28,7 @@ class EvalTokens:
     trime: list[np.ndarray] = field(default_factory=list)  # (n, len(taus)) float64
     # squared norm of each query key: the evidence interpolation's distance scale
     qnorm: list[np.ndarray] = field(default_factory=list)  # (n,) float32
+    context: list[np.ndarray] = field(default_factory=list)  # (n,) float32 tokens before
 
     def add(
         self,
@@ -49,6 +50,7 @@ class EvalTokens:
         self.entropy.append(o.entropy)
         self.lexical.append(lexical)
         self.qnorm.append((o.keys.astype(np.float64) ** 2).sum(axis=1).astype(np.float32))
+        self.context.append(o.positions.astype(np.float32))
         if trime is not None:
             self.trime.append(trime)
 
@@ -66,6 +68,7 @@ class EvalTokens:
                 "lexical": np.zeros((0, 2), np.float32),
                 "trime": np.zeros((0, 0)),
                 "qnorm": np.zeros(0, np.float32),
+                "context": np.zeros(0, np.float32),
             }
         out = {
             f.name: np.concatenate(getattr(self, f.name)) for f in fields(self) if f.name != "trime"
@@ -114,8 +117,8 @@ def eval_tokens_of(arrays: dict[str, np.ndarray]) -> EvalTokens:
     """The EvalTokens whose ``arrays()`` are ``arrays`` (one chunk per field)."""
     out = EvalTokens()
     for f in fields(out):
-        if f.name == "qnorm" and "qnorm" not in arrays:  # searched before it was kept
-            arrays = {**arrays, "qnorm": np.full(len(arrays["gold"]), np.nan, np.float32)}
+        if f.name in ("qnorm", "context") and f.name not in arrays:  # from before they were kept
+            arrays = {**arrays, f.name: np.full(len(arrays["gold"]), np.nan, np.float32)}
         a = arrays[f.name]
         if f.name == "trime" and a.size == 0:
             continue

@@ -165,7 +165,7 @@ def run_policy(
                 lam = None
                 if evidence is not None:
                     qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
-                    lam = evidence.lambdas(dist, vals, qnorm, knn.temperature)
+                    lam = evidence.lambdas(dist, vals, qnorm, knn.temperature, o.positions)
                 scores = token_scores(cache.encoder, o, dist, vals, knn, lmbda=lam)
                 lm_alone = TokenScores(o.target_logprob, o.top_logprob, o.key_ce)
                 day_alone += int(policy.decide(lm_alone).sum())

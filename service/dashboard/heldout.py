@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from memlm.calibrator import TOP_N, gold_knn_logprob, token_features
-from memlm.heldout import FIELDS
+from memlm.heldout import FIELDS, OPTIONAL_FIELDS
 from memlm.knnlm import has_neighbours, interpolate
 from service.dashboard.schemas import HeldOut, HeldOutDay
 
@@ -37,6 +37,17 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
     valid = has_neighbours(np.where(rows["values"][:, :k] >= 0, 0, -1))
     knn = gold_knn_logprob(rows, params)
     lam: float | np.ndarray = params.lmbda
+    if served.lambda_source == "evidence":
+        # records from before the query norm was kept: the constant for those rows
+        q = rows.get("qnorm", np.full(len(knn), np.nan))
+        ev = served.evidence.lambdas(
+            rows["distances"][:, :k],
+            rows["values"][:, :k],
+            np.nan_to_num(q, nan=1.0),
+            params.temperature,
+            rows.get("context"),
+        )
+        lam = np.where(np.isfinite(q), ev, params.lmbda)
     cal = served.calibrator if served.lambda_source == "calibrator" else None
     gate = served.gate if served.theta > 0 else None
     if cal is not None or gate is not None:
@@ -62,7 +73,7 @@ def day_sums(rows: dict[str, np.ndarray], served: Any) -> dict[int, np.ndarray]:
     if not rows or not len(rows["day"]):
         return {}
     keep = rows["doc"] >= 0  # stream documents only (not texts given to train_calibrator)
-    rows = {k: v[keep] for k, v in rows.items() if k in FIELDS}
+    rows = {k: v[keep] for k, v in rows.items() if k in FIELDS + OPTIONAL_FIELDS}
     if not len(rows["day"]):
         return {}
     aug = augmented_logprobs(rows, served)
