@@ -134,13 +134,14 @@ def calls() -> list[Call]:
         Call("GET /admin/builds/{id}", "GET", "/admin/builds/1", auth=True),
         Call("GET /admin/stats", "GET", "/admin/stats", auth=True),
         Call(
-            "POST /predict (after the rebuild: the calibrator's lambda)",
+            "POST /predict (after the rebuild: the evidence fitted)",
             "POST",
             "/predict",
             {"context": CONTEXT, "top_n": 3},
-            note="After the first rebuild: its build record above says whether the NN "
-            "calibrator was trained (not on the demo's few held-out tokens: the constant "
-            "lambda stays; see docs/calibrator.md):",
+            note="After the first rebuild: the build fitted the evidence interpolation on the "
+            "held-out tokens the worker recorded (`interpolation.evidence` in the build record "
+            "above; the NN calibrator needs more of them), and the memorised context is still "
+            "answered from memory (docs/calibrator.md):",
         ),
         Call(
             "POST /score (after the rebuild)",

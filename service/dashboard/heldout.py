@@ -69,7 +69,9 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
 
 
 def day_sums(rows: dict[str, np.ndarray], served: Any) -> dict[int, np.ndarray]:
-    """Per day: [tokens, tokens with a neighbour, sum log p_LM, sum log p_augmented]."""
+    """Per day: [tokens, tokens with a neighbour, sum log p_LM, sum log p_augmented, and
+    for the tokens recorded with a seen view (their document's own entries in memory):
+    tokens, sum log p_LM, sum log p_augmented]."""
     if not rows or not len(rows["day"]):
         return {}
     keep = rows["doc"] >= 0  # stream documents only (not texts given to train_calibrator)
@@ -79,10 +81,32 @@ def day_sums(rows: dict[str, np.ndarray], served: Any) -> dict[int, np.ndarray]:
     aug = augmented_logprobs(rows, served)
     lm = rows["target_lm_logprob"].astype(np.float64)
     nb = has_neighbours(np.where(rows["values"] >= 0, 0, -1))
+    seen = np.zeros(len(lm), bool)
+    seen_aug = np.zeros(len(lm))
+    if "seen_values" in rows and len(lm):
+        seen = rows["seen_values"][:, 0] >= 0
+        if seen.any():
+            view = {
+                **{k: v[seen] for k, v in rows.items()},
+                "distances": rows["seen_distances"][seen],
+                "values": rows["seen_values"][seen],
+            }
+            seen_aug[seen] = augmented_logprobs(view, served)
     out = {}
     for day in np.unique(rows["day"]).tolist():
         m = rows["day"] == day
-        out[int(day)] = np.array([m.sum(), (nb & m).sum(), lm[m].sum(), aug[m].sum()])
+        s = m & seen
+        out[int(day)] = np.array(
+            [
+                m.sum(),
+                (nb & m).sum(),
+                lm[m].sum(),
+                aug[m].sum(),
+                s.sum(),
+                lm[s].sum(),
+                seen_aug[s].sum(),
+            ]
+        )
     return out
 
 
@@ -173,6 +197,9 @@ class HeldOutCurves:
                 tokens_with_neighbours=int(s[1]),
                 lm_ppl=float(np.exp(-s[2] / s[0])),
                 augmented_ppl=float(np.exp(-s[3] / s[0])),
+                seen_tokens=int(s[4]),
+                seen_lm_ppl=float(np.exp(-s[5] / s[4])) if s[4] else None,
+                seen_augmented_ppl=float(np.exp(-s[6] / s[4])) if s[4] else None,
             )
             for d, s in sorted(total.items())
             if s[0] > 0

@@ -100,6 +100,11 @@ class HeldOutDay(BaseModel):
     tokens_with_neighbours: int
     lm_ppl: float
     augmented_ppl: float
+    # the same tokens asked again once their document joined the memory (what a user who
+    # asks about what they ingested gets); recorded since the evidence interpolation
+    seen_tokens: int = 0
+    seen_lm_ppl: float | None = None
+    seen_augmented_ppl: float | None = None
 
 
 class HeldOut(BaseModel):

@@ -122,8 +122,11 @@
     if (it) {
       cap += it.lambda_source === "calibrator"
         ? " (lambda per token from the served calibrator, k " + it.k + ", T " + it.temperature + ")."
+        : it.lambda_source === "evidence"
+        ? " (lambda per token from the retrieval evidence, k " + it.k + ", T " + it.temperature + ")."
         : " (served interpolation: k " + it.k + ", T " + it.temperature + ", lambda " + it.lambda + ").";
     } else cap += ".";
+    cap += " Dashed: the same tokens asked again once their document joined the memory (text it knows).";
     setText("heldout-caption", cap);
     if (!h.days.length) return chart("chart-heldout", null, null, "No held-out perplexity yet: " + (h.note || "nothing recorded") + ".");
     var x = h.days.map(function (p) { return p.day; });
@@ -132,7 +135,7 @@
     var all = h.days.map(function (p) { return p.lm_ppl; }).concat(h.days.map(function (p) { return p.augmented_ppl; }));
     var lo = Math.min.apply(null, all), hi = Math.max.apply(null, all), pad = 0.15 * Math.max(hi - lo, 0.05 * hi);
     var tokens = h.days.map(function (p) { return num(p.tokens) + " tokens, " + num(p.tokens_with_neighbours) + " with a neighbour"; });
-    chart("chart-heldout", [
+    var traces = [
       { type: "scatter", mode: "lines+markers", name: "LM only", x: x, y: h.days.map(function (p) { return p.lm_ppl; }),
         line: { color: COLORS.lm, width: 2 }, text: tokens, hovertemplate: "%{y:.2f} (%{text})<extra>LM only</extra>" },
       { type: "scatter", mode: "lines+markers+text", name: "LM + memory (change)", x: x,
@@ -143,7 +146,18 @@
         textposition: change.map(function (c) { return c > 0 ? "top center" : "bottom center"; }),
         textfont: { color: COLORS.aug },
         hovertemplate: "%{y:.2f} (%{text})<extra>LM + memory</extra>" },
-    ], { yaxis: { title: { text: "perplexity" }, range: [lo - pad, hi + pad] }, xaxis: DAY_AXIS,
+    ];
+    var known = h.days.filter(function (p) { return p.seen_tokens > 0; });
+    if (known.length) {
+      traces.push({ type: "scatter", mode: "lines+markers", name: "LM + memory, text it holds", x: known.map(function (p) { return p.day; }),
+        y: known.map(function (p) { return p.seen_augmented_ppl; }), line: { color: COLORS.aug, width: 2, dash: "dash" },
+        text: known.map(function (p) { return num(p.seen_tokens) + " tokens, LM only " + fixed(p.seen_lm_ppl, 1); }),
+        hovertemplate: "%{y:.2f} (%{text})<extra>text the memory holds</extra>" });
+    }
+    // text the memory holds is far below the rest: a log axis keeps both readable
+    var yaxis = known.length ? { title: { text: "perplexity (log)" }, type: "log" }
+      : { title: { text: "perplexity" }, range: [lo - pad, hi + pad] };
+    chart("chart-heldout", traces, { yaxis: yaxis, xaxis: DAY_AXIS,
       margin: { l: 60, r: 60, t: 24, b: 36 }, legend: { orientation: "h", x: 0, y: 1.2 } });
   }
 
