@@ -506,3 +506,79 @@ def test_open_upgrades_a_v1_manifest(tmp_path: Path) -> None:
     assert json.loads((tmp_path / MANIFEST).read_text())["format_version"] == 2
     assert (ds.deleted_documents, ds.num_live) == ({2}, 8)
     assert ds.delete_document(3) == 3 and ds.num_live == 5
+
+
+def test_a_reload_in_another_thread_never_turns_a_shared_writer_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API's poll reloads the manifest from its own thread while the embedded worker
+    appends on the same handle. A manifest read before the worker's commit and swapped in
+    after it turned the handle back, and the worker's next append overwrote committed
+    entries (issue 31: entries of documents marked done were missing)."""
+    from memlm.datastore import recovery
+
+    path = tmp_path / "ds"
+    Datastore.open(path, dim=DIM).close()
+    ds = Datastore.open(path, shared=True)
+    Datastore.open(path, shared=True).append(*batch(4, 0, doc=1))  # another worker process
+    real = recovery._Manifest.from_json
+    poll_read, worker_appended = threading.Event(), threading.Event()
+
+    def from_json(text: str, where: Path) -> object:
+        m = real(text, where)
+        if threading.current_thread().name == "poll":  # the poll holds what it read ...
+            poll_read.set()
+            worker_appended.wait(timeout=1.0)  # ... until the worker appended (or 1 s)
+        return m
+
+    monkeypatch.setattr(recovery._Manifest, "from_json", staticmethod(from_json))
+    poll = threading.Thread(target=ds.reload, name="poll")
+    poll.start()
+    assert poll_read.wait(10)
+    a, b = batch(3, 1, doc=2), batch(2, 2, doc=3)
+    with ds.exclusive():  # the worker's append-and-commit step
+        ids_a = ds.append(*a)
+        worker_appended.set()
+        poll.join()
+        ids_b = ds.append(*b)
+    assert (ids_a, ids_b, len(ds)) == (range(4, 7), range(7, 9), 9)
+    np.testing.assert_array_equal(ds.values(np.arange(4, 9)), np.concatenate([a[1], b[1]]))
+    np.testing.assert_array_equal(ds.provenance(np.arange(9))[0], [1] * 4 + [2] * 3 + [3] * 2)
+
+
+def test_a_full_disk_fails_an_append_whole_and_gives_its_bytes_back(tmp_path: Path) -> None:
+    """On a real 256 kB filesystem: the append that meets ENOSPC raises it, commits
+    nothing, leaves no byte of its own (tails, temp manifest) holding space; once space
+    comes back the next append and a reopen see exactly the committed entries."""
+    import errno
+
+    from tests.small_fs import resize, small_filesystem
+
+    with small_filesystem(tmp_path / "fs", "256k") as fs:
+        ds = Datastore.open(fs / "ds", dim=DIM)
+        stored = []
+        with pytest.raises(OSError) as err:
+            for i in range(100):  # 1000 entries are 36 kB: 256 kB fills within 8 batches
+                b = batch(1000, i, doc=i)
+                ds.append(*b)
+                stored.append(b)
+        assert err.value.errno == errno.ENOSPC
+        n = 1000 * len(stored)
+        assert len(ds) == ds.num_live == n
+        per_entry = {"keys": 2 * DIM, "values": 4, "doc_ids": 8, "positions": 4, "days": 4}
+        files = {f.name: f.stat().st_size for f in (fs / "ds").iterdir()}
+        assert files == {
+            "LOCK": 0,
+            MANIFEST: len((fs / "ds" / MANIFEST).read_bytes()),
+            **{f"seg-000000.{c}": n * size for c, size in per_entry.items()},
+        }
+        resize(fs, "1m")
+        last = batch(1000, 999, doc=999)
+        assert ds.append(*last) == range(n, n + 1000)
+        stored.append(last)
+        ds.close()
+        again = Datastore.open(fs / "ds")
+        ids = np.arange(n + 1000)
+        np.testing.assert_array_equal(again.values(ids), np.concatenate([b[1] for b in stored]))
+        np.testing.assert_array_equal(again.keys(ids), np.concatenate([b[0] for b in stored]))
+        again.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -25,14 +26,29 @@ def atomic_write_text(path: Path, text: str, *, crash_at: str | None = None) -> 
     file is durable, before the rename.
     """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # a full disk: leave no half-written temp file holding space
+        tmp.unlink(missing_ok=True)
+        raise
     if crash_at is not None:
         raise SimulatedCrash(crash_at)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def _give_back(f: Path, size: int, new_file: bool) -> None:
+    """After a failed write (a full disk): return the bytes it added to ``f``, which held
+    ``size`` bytes before (``new_file``: did not exist). No reader maps them: readers map
+    committed rows, and a file is never shorter than what any manifest committed."""
+    with contextlib.suppress(FileNotFoundError):
+        if new_file:
+            f.unlink()
+        elif f.stat().st_size > size:
+            os.truncate(f, size)
 
 
 def _take_writer_lock(path: Path, *, wait: bool = False) -> int:

@@ -109,6 +109,27 @@ class _Forget(_Writing):
         if not plan:
             return Compaction(0, 0, 0)
         gen = m.generation + 1
+        written: list[Path] = []
+        try:
+            return self._rewrite(plan, gen, written, crash_at)
+        except OSError:
+            # a full disk: the new files are not served yet; they would hold space until
+            # the next compaction or writer open removed them
+            if self._m.generation < gen:
+                for f in written:
+                    f.unlink(missing_ok=True)
+            raise
+
+    def _rewrite(
+        self,
+        plan: list[tuple[int, npt.NDArray[np.int64]]],
+        gen: int,
+        written: list[Path],
+        crash_at: str | None,
+    ) -> Compaction:
+        """Write the kept rows of the planned segments under new names, commit, unlink the
+        old files; ``written`` collects the new files as they are created."""
+        m = self._m
         rows, names = list(m.rows), list(m.names)
         old_files: list[Path] = []
         freed = removed = 0
@@ -118,6 +139,7 @@ class _Forget(_Writing):
             new_files = self._files(seg, name)
             offs = maps["ids"] if m.sparse(seg) else None
             for column, f in new_files.items():
+                written.append(f)
                 with open(f, "wb") as fh:
                     for lo in range(0, len(keep), _COMPACT_CHUNK):
                         sel = keep[lo : lo + _COMPACT_CHUNK]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
-from memlm.datastore.durable import _stat_key, _take_writer_lock, fsync_dir
+from memlm.datastore.durable import _give_back, _stat_key, _take_writer_lock, fsync_dir
 from memlm.datastore.layout import MANIFEST, TOMBSTONES, DatastoreError, _check_crash
 from memlm.datastore.manifest import _Manifest
 from memlm.datastore.segments import _Segments
@@ -75,11 +75,15 @@ class _Recovery(_Segments):
 
     def _reload_manifest(self) -> bool:
         mpath = self.path / MANIFEST
-        key = _stat_key(mpath)
-        if key == self._manifest_stat:
-            return False
-        new = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
+        # Under the handle's lock from the stat to the swap, as ``_commit`` is: a thread
+        # that read an older manifest (the API's poll, a reader's refresh) and swapped it
+        # in after another thread of this handle committed a newer one would turn the
+        # handle back in time, and a shared writer then appended over committed entries.
         with self._lock:
+            key = _stat_key(mpath)
+            if key == self._manifest_stat:
+                return False
+            new = _Manifest.from_json(mpath.read_text(encoding="utf-8"), mpath)
             if new.truncations != self._m.truncations or new.names != self._m.names:
                 # A truncate may have dropped and re-created segment files, a compaction
                 # replaced some: map them anew.
@@ -117,11 +121,16 @@ class _Recovery(_Segments):
         manifest says so: bytes beyond its count are cut by the next writer open)."""
         f = self.path / TOMBSTONES
         new_file = not f.exists()
-        with open(f, "r+b" if not new_file else "w+b") as fh:
-            fh.seek(start * 8)
-            fh.write(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = 0 if new_file else f.stat().st_size
+        try:
+            with open(f, "r+b" if not new_file else "w+b") as fh:
+                fh.seek(start * 8)
+                fh.write(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            _give_back(f, size, new_file)
+            raise
         if new_file:
             fsync_dir(self.path)
 
@@ -157,14 +166,20 @@ class _Recovery(_Segments):
     def _commit(self, new: _Manifest, crash_at: str | None = None) -> None:
         mpath = self.path / MANIFEST
         tmp = mpath.with_name(MANIFEST + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(new.to_json())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(new.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            # a full disk: the half-written temp file must not hold space the caller's
+            # rollback (a truncate, itself a commit) needs
+            tmp.unlink(missing_ok=True)
+            raise
         _check_crash(crash_at, "before_manifest")
-        os.replace(tmp, mpath)
-        _check_crash(crash_at, "after_manifest")
-        with self._lock:
+        with self._lock:  # the rename and the state swap together (see _reload_manifest)
+            os.replace(tmp, mpath)
+            _check_crash(crash_at, "after_manifest")
             if new.names != self._m.names:
                 self._maps.clear()
             self._m = new

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from memlm.datastore.durable import fsync_dir
+from memlm.datastore.durable import _give_back, fsync_dir
 from memlm.datastore.layout import (
     _COLUMNS,
     _IDS_DTYPE,
@@ -120,6 +120,37 @@ class _Writing(_Recovery):
             rows[-1] += take
             done += take
         _check_crash(crash_at, "before_data")
+        # each file's size before this append: a failure gives the bytes it added back
+        sizes = {
+            f: (f.stat().st_size if f.exists() else -1)
+            for seg, *_ in pieces
+            for f in self._files(seg).values()
+        }
+        names_now = list(m.names) + [_segment_name(i) for i in range(len(m.names), len(counts))]
+        dead = int(np.isin(cols[1], self._deleted_arr).sum()) if self._deleted else 0
+        new = m.changed(counts=counts, rows=rows, names=names_now, live=m.live + n - dead)
+        try:
+            self._write_pieces(pieces, k16, cols, crash_at)
+            _check_crash(crash_at, "after_data")
+            self._commit(new, crash_at)
+        except OSError:
+            # A full disk (ENOSPC) or a failed device. Unless the manifest took (a failure
+            # after the rename), nothing was committed, and the bytes written so far
+            # would hold space until the next exclusive open.
+            if self._m is not new:
+                for f, size in sizes.items():
+                    _give_back(f, max(size, 0), size < 0)
+            raise
+        return range(start, start + n)
+
+    def _write_pieces(
+        self,
+        pieces: list[tuple[int, int, int, slice]],
+        k16: npt.NDArray[np.float16],
+        cols: list[npt.NDArray[Any]],
+        crash_at: str | None,
+    ) -> None:
+        """Write (and fsync) every column of the planned pieces at their rows."""
         new_files = False
         names = ["keys"] + [name for name, _ in _COLUMNS]
         arrays = [k16, *cols]
@@ -135,12 +166,6 @@ class _Writing(_Recovery):
                 new_files |= self._write_at(ids_file, "ids", row, offs)
         if new_files:
             fsync_dir(self.path)
-        _check_crash(crash_at, "after_data")
-        names_now = list(m.names) + [_segment_name(i) for i in range(len(m.names), len(counts))]
-        dead = int(np.isin(cols[1], self._deleted_arr).sum()) if self._deleted else 0
-        new = m.changed(counts=counts, rows=rows, names=names_now, live=m.live + n - dead)
-        self._commit(new, crash_at)
-        return range(start, start + n)
 
     def _write_at(self, f: Path, column: str, row: int, arr: npt.NDArray[Any]) -> bool:
         """Positional write of ``arr`` at row ``row`` of a column file, fsynced; returns
