@@ -176,10 +176,14 @@ class HeldOutRecorder:
         path = self.root / f"d{day}-doc{doc_id}-n{n}.npz"
         tmp = self.root / f".tmp-{path.name}"
         payload: dict[str, Any] = arrays
-        with open(tmp, "wb") as f:
-            np.savez(f, **payload)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **payload)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:  # a full disk: the partial temp file must not stay, holding space
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
         return path
 

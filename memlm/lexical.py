@@ -90,14 +90,18 @@ class LexicalStats:
         docs = np.fromiter(self.docs, np.int64, len(self.docs))
         forgotten = np.fromiter(self.forgotten, np.int64, len(self.forgotten))
         # everything in one file: one os.replace makes counts and document ids visible
-        np.savez(
-            tmp,
-            count=self.count,
-            pairs=pairs,
-            pair_counts=pair_counts,
-            docs=docs,
-            forgotten=forgotten,
-        )
+        try:
+            np.savez(
+                tmp,
+                count=self.count,
+                pairs=pairs,
+                pair_counts=pair_counts,
+                docs=docs,
+                forgotten=forgotten,
+            )
+        except OSError:  # a full disk: the partial temp file (~0.6 MB) must not stay
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
 
     @classmethod

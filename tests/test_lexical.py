@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,24 @@ def test_remove_refuses_tokens_that_were_not_counted():
     with pytest.raises(ValueError, match="not counted"):
         s.remove(np.array([4, 5, 4]), doc_id=1)
     assert s.count[1] == 1 and s.docs == {1}
+
+
+def test_a_save_on_a_full_disk_leaves_the_old_file_and_no_temp_file(tmp_path: Path) -> None:
+    """On a real 64 kB filesystem the statistics (400 kB of counts) cannot be written: the
+    save raises ENOSPC, the saved file stays as it was and its half-written temp file
+    is gone (it held the space a rollback needed: issue 31)."""
+    import errno
+
+    from tests.small_fs import small_filesystem
+
+    with small_filesystem(tmp_path / "fs", "64k") as fs:
+        small = LexicalStats(100)
+        small.update(np.array([1, 2, 3]), doc_id=1)
+        small.save(fs / "lexical.npz")
+        before = (fs / "lexical.npz").read_bytes()
+        big = LexicalStats(50_000)
+        with pytest.raises(OSError) as err:
+            big.save(fs / "lexical.npz")
+        assert err.value.errno == errno.ENOSPC
+        assert sorted(p.name for p in fs.iterdir()) == ["lexical.npz"]
+        assert (fs / "lexical.npz").read_bytes() == before

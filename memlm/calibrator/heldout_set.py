@@ -64,10 +64,14 @@ class HeldoutSet:
     def write(self, rows: dict[str, np.ndarray]) -> None:
         tmp = self.path.with_suffix(".tmp.npz")
         arrays: dict[str, Any] = rows
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:  # a full disk: the partial temp file must not stay, holding space
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path)
         self._index = None
 

@@ -83,6 +83,10 @@ class IngestMixin(EngineCore):
         if self.on_milvus:
             return self._store_milvus(prep, n, crash_at)
         with self.exclusive(), self._write_lock:
+            # Counted once, even when processed again; before the append, so that the
+            # append's commit is the last write here: a full disk then fails the document
+            # with nothing appended, and no rollback (itself a write) is needed.
+            self.calibration.observe(prep.token_ids, doc_id)
             first = len(self.datastore)
             if n:
                 self.datastore.append(
@@ -94,7 +98,6 @@ class IngestMixin(EngineCore):
                 )
                 self.index.refresh()
             end = len(self.datastore)
-            self.calibration.observe(prep.token_ids, doc_id)  # once, even when processed again
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         return IngestResult(len(out), n, first, end)
