@@ -14,9 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memlm.db.errors import DomainError
+from memlm.unavailable import MemoryUnavailable, unavailable
 from service.schemas import ErrorOut
 
 log = logging.getLogger(__name__)
@@ -76,11 +78,14 @@ _MEANING = {
     "its text (invalid_input)",
     429: "the model's queue is full; retry after Retry-After seconds",
     500: "an unexpected error (logged by the server; the detail never says more)",
-    503: "the model is not loaded yet, or failed to load",
+    503: "a dependency is away: the model is not loaded yet (or failed to load), the "
+    "database or the vector memory server is unreachable, or the data directory's disk "
+    "is full; the detail says which; retry after Retry-After seconds",
 }
 _HEADERS = {
     401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
     429: {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
+    503: {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
 }
 
 
@@ -118,17 +123,21 @@ def _validation_detail(exc: RequestValidationError) -> str:
 _sleep = asyncio.sleep  # tests record the pauses through this name
 
 
+def _settings_of(request_or_scope: Any) -> Any:
+    app = getattr(request_or_scope, "app", None)
+    if app is None and isinstance(request_or_scope, dict):
+        app = request_or_scope.get("app")
+    state = getattr(getattr(app, "state", None), "memlm", None)
+    return getattr(state, "settings", None)
+
+
 async def overload_pause(request_or_scope: Any, exc: Overloaded) -> None:
     """Hold a 429 for ``MEMLM_OVERLOAD_DELAY_SECONDS`` (at most its Retry-After).
 
     Clients that ignore Retry-After and retry at once would otherwise keep the event loop
     busy answering refusals, starving the requests it accepted.
     """
-    app = getattr(request_or_scope, "app", None)
-    if app is None and isinstance(request_or_scope, dict):
-        app = request_or_scope.get("app")
-    state = getattr(getattr(app, "state", None), "memlm", None)
-    delay = getattr(getattr(state, "settings", None), "overload_delay_seconds", 0.0)
+    delay = getattr(_settings_of(request_or_scope), "overload_delay_seconds", 0.0)
     if delay > 0:
         await _sleep(min(float(delay), float(exc.retry_after)))
 
@@ -147,6 +156,12 @@ def allowed_methods(request: Request) -> str | None:
     return None
 
 
+def unavailable_response(request_or_scope: Any, reason: str) -> JSONResponse:
+    """503 with the reason a dependency is away and when to come back."""
+    retry = getattr(_settings_of(request_or_scope), "retry_after_seconds", 1)
+    return error_response(503, "unavailable", reason, {"Retry-After": str(retry)})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, DomainError)
@@ -156,7 +171,18 @@ def install_error_handlers(app: FastAPI) -> None:
             await overload_pause(request, exc)
         elif isinstance(exc, Unauthorized):
             headers = {"WWW-Authenticate": "Bearer"}
+        elif isinstance(exc, Unavailable):
+            return unavailable_response(request, str(exc))
         return error_response(exc.status_code, exc.error, str(exc), headers)
+
+    async def dependency(request: Request, exc: Exception) -> JSONResponse:
+        # The database, the memory server or the disk is away: a passing state, answered
+        # 503 with the reason (never 500); other errors of these types are bugs.
+        reason = unavailable(exc)
+        if reason is None:
+            return await unexpected(request, exc)
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, reason, exc)
+        return unavailable_response(request, reason)
 
     async def validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -186,6 +212,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return await unexpected(request, exc)
 
     app.add_exception_handler(DomainError, domain)
+    for kind in (DBAPIError, MemoryUnavailable, OSError):
+        app.add_exception_handler(kind, dependency)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http)
     app.add_exception_handler(ValueError, value_error)

@@ -964,19 +964,20 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
                     assert content["schema"] == {"$ref": "#/components/schemas/ErrorOut"}
     body, auth = [400, 413], [401]
     assert statuses == {
-        "POST /ingest": sorted([*body, *auth, 422, 500]),
-        "GET /documents/{doc_id}": [401, 404, 422, 500],
+        "POST /ingest": sorted([*body, *auth, 422, 500, 503]),
+        "GET /documents/{doc_id}": [401, 404, 422, 500, 503],
         "POST /predict": sorted([*body, *auth, 422, 429, 500, 503]),
         "POST /score": sorted([*body, *auth, 422, 429, 500, 503]),
         "POST /generate": sorted([*body, *auth, 422, 429, 500, 503]),
         "GET /admin/stats": [401, 429, 500, 503],
-        "GET /admin/stats/history": [401, 429, 500],  # the model loading: 200, stats null
-        "POST /admin/rebuild": sorted([*body, *auth, 422, 500]),
-        "GET /admin/builds/{build_id}": [401, 404, 422, 500],
-        "GET /admin/policy": [401, 500],
-        "PUT /admin/policy": sorted([*body, *auth, 422, 500]),
-        "DELETE /admin/documents/{doc_id}": sorted([*body, *auth, 404, 409, 422, 500]),
-        "POST /admin/documents/{doc_id}/retry": sorted([*body, *auth, 404, 409, 422, 500]),
+        # the model loading: 200, stats null; the database away: 503
+        "GET /admin/stats/history": [401, 429, 500, 503],
+        "POST /admin/rebuild": sorted([*body, *auth, 422, 500, 503]),
+        "GET /admin/builds/{build_id}": [401, 404, 422, 500, 503],
+        "GET /admin/policy": [401, 500, 503],
+        "PUT /admin/policy": sorted([*body, *auth, 422, 500, 503]),
+        "DELETE /admin/documents/{doc_id}": sorted([*body, *auth, 404, 409, 422, 500, 503]),
+        "POST /admin/documents/{doc_id}/retry": sorted([*body, *auth, 404, 409, 422, 500, 503]),
         "GET /healthz": [500],
         "GET /readyz": [500, 503],
         "GET /metrics": [500],

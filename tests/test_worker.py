@@ -15,6 +15,7 @@ from memlm.db.models import DayStat, Document
 from memlm.db.repositories import DocumentRepository, NewDocument
 from memlm.locks import LockBusy
 from memlm.settings import Settings
+from memlm.unavailable import DATABASE
 from tests.fakes import FakeEngine
 from tests.service_helpers import make_settings
 from workers.ingest import DatastoreAhead, IngestWorker, Processed, SimulatedCrash
@@ -430,8 +431,10 @@ def test_transient_failures_are_retried_and_counted_in_the_database(
     w = new_worker()
     w.start(timeout=1)
     assert w.step() == Processed(doc_id, "retrying")
+    # a busy database is a dependency away: the reason says so (and run() pauses)
+    assert _doc_state(sessions, doc_id) == ("pending", 1, DATABASE)
+    assert w.unavailable_streak == 1
     reason = "internal error while processing the document (details in the worker log)"
-    assert _doc_state(sessions, doc_id) == ("pending", 1, reason)
     w.lock.release()
     restarted = new_worker()  # the count lives in the database, not in the worker
     restarted.start(timeout=1)

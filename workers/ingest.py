@@ -49,6 +49,7 @@ from memlm.db.repositories import (
 from memlm.engine import EngineLike, day_number, policy_params, reconcile_index
 from memlm.locks import FileLock, LockBusy, held_elsewhere
 from memlm.settings import Settings
+from memlm.unavailable import unavailable
 from workers.builder import run_queued_build, start_builder
 from workers.liveness import PgWorkerLock, pg_worker_alive
 
@@ -125,6 +126,9 @@ def retry_delay(settings: Settings, failures: int) -> float:
 
 
 def failure_reason(exc: BaseException) -> str:
+    away = unavailable(exc)
+    if away is not None:  # a full disk, the database or the memory server away
+        return away
     if isinstance(exc, _USER_ERRORS):
         return f"{type(exc).__name__}: {exc}"
     return "internal error while processing the document (details in the worker log)"
@@ -163,6 +167,11 @@ class IngestWorker:
         )
         self.policy_factory = policy_factory
         self.done = 0
+        # Tries in a row that failed because a dependency was away (a full disk, the
+        # database, the memory server): run() pauses retry_delay(streak) before the next.
+        self.unavailable_streak = 0
+        self._owes_release = False  # a claim that a failed step could not give back yet
+        self._owes_cut = False  # entries of a failed try that could not be cut yet
 
     # --- start-up ------------------------------------------------------------------------
 
@@ -312,9 +321,9 @@ class IngestWorker:
         except Exception as exc:
             return self._failed(doc_id, exc)
         with self.engine.exclusive():  # other workers wait from here to the commit
-            if not self.on_milvus:  # (Milvus: the append replaces an earlier try's entries)
-                self._cut_uncommitted()  # a worker that died between its append and commit
             try:
+                if not self.on_milvus:  # (Milvus: the append replaces an earlier try's)
+                    self._cut_uncommitted()  # a worker that died between append and commit
                 result = self.engine.store_document(prepared)
             except Exception as exc:
                 return self._failed(doc_id, exc)
@@ -346,6 +355,7 @@ class IngestWorker:
                 log.info("document %d was forgotten while processed; its entries are cut", doc_id)
                 return Processed(doc_id, "withdrawn")
         self.done += 1
+        self.unavailable_streak = 0
         return Processed(doc_id, "done", seen, stored, time.perf_counter() - t0)
 
     def _failed(self, doc_id: int, exc: Exception) -> Processed:
@@ -355,7 +365,19 @@ class IngestWorker:
         bookkeeping itself fails (the database is down), the exception leaves the step and
         ``run`` puts the claim back in the queue.
         """
-        self._discard_try(doc_id)
+        away = unavailable(exc)
+        if away is not None:  # run() pauses before the next claim: no loop through the queue
+            self.unavailable_streak += 1
+        try:  # whatever this try wrote must not outlive it
+            self._discard_try(doc_id)
+        except Exception as undo:
+            if unavailable(undo) is None:
+                raise
+            # The disk is full, the database or the memory server away, even for the
+            # rollback: the document is recorded below all the same (with its reason), and
+            # run() cuts the entries as soon as it can (so does any worker's next try).
+            log.warning("document %d: rollback deferred: %s", doc_id, unavailable(undo))
+            self._owes_cut = True
         reason = failure_reason(exc)
         limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:
@@ -427,44 +449,92 @@ class IngestWorker:
         )
         try:
             while not stop.is_set():
+                if self._owes_release:  # the database was away when a step failed
+                    self._owes_release = not self._release_own_claim()
                 try:
+                    if self._owes_cut:  # before anything else is served from the memory
+                        self._owes_cut = not self._cut_deferred()
                     out = self.step(crash_at=crash_at, build=False)
                 except SimulatedCrash:
                     # A real kill, so the test sees exactly what a crash leaves behind.
                     os.kill(os.getpid(), signal.SIGKILL)
                     raise
-                except Exception:
-                    log.exception("worker step failed; retrying after a pause")
-                    self._release_own_claim()
-                    stop.wait(self.settings.worker_poll_seconds)
+                except Exception as exc:
+                    away = unavailable(exc)
+                    if away is None:
+                        log.exception("worker step failed; retrying after a pause")
+                    else:
+                        self.unavailable_streak += 1
+                        log.warning("worker step failed: %s", away)
+                    self._owes_release = not self._release_own_claim()
+                    stop.wait(self._pause(self.settings.worker_poll_seconds))
                     continue
                 if out is None:
                     stop.wait(self.settings.worker_poll_seconds)
                 elif isinstance(out, Processed):
                     self._log_progress(out)
+                    if self.unavailable_streak:
+                        stop.wait(self._pause(0.0))
         finally:
             stop_builder.set()
             builder.join(timeout=self.settings.worker_poll_seconds)  # a build may take long
             self.lock.release()
 
-    def _release_own_claim(self) -> None:
+    def _cut_deferred(self) -> bool:
+        """Cut the entries of a failed try that ``_failed`` could not cut; False while the
+        disk or the database is still away. (Milvus: the document's next try replaces
+        them, and ``drop_orphans`` at start-up drops a never-retried one's.)"""
+        if self.on_milvus:
+            return True
+        try:
+            with self.engine.exclusive():
+                self._cut_uncommitted()
+        except Exception as exc:
+            if unavailable(exc) is None:
+                raise
+            return False
+        return True
+
+    def _pause(self, least: float) -> float:
+        """Seconds to wait before the next step: ``least``, or the backoff of the tries in
+        a row that a dependency's absence failed (a full disk costs no hot loop)."""
+        if not self.unavailable_streak:
+            return least
+        delay = max(least, retry_delay(self.settings, self.unavailable_streak))
+        log.warning(
+            "a dependency is unavailable (%d tries in a row); next try in %.1f s",
+            self.unavailable_streak,
+            delay,
+        )
+        return delay
+
+    def _release_own_claim(self) -> bool:
         """After a step that failed outside the per-document bookkeeping (the database was
         unreachable even for recording the failure): put this worker's claim back in the
-        queue, so that the document does not wait for this worker's restart."""
+        queue, so that the document does not wait for this worker's restart. False while
+        the database is away: ``run`` tries again before each step until it is back."""
         try:
             with self.sessions.begin() as s:
                 released = DocumentRepository(s).release_claims(
                     [self.name], max_attempts=self.settings.ingest_max_attempts, cause=_LOST
                 )
-        except Exception:
+        except Exception as exc:
+            if unavailable(exc) is not None:
+                return False
             log.exception("could not put the claim of worker %s back; its restart will", self.name)
-            return
+            return True
         if released:
             log.warning("put %d document(s) of this worker back in the queue", released)
+        return True
 
     def _log_progress(self, p: Processed) -> None:
-        with self.sessions() as s:
-            left = DocumentRepository(s).pending_count()
+        try:
+            with self.sessions() as s:
+                left = DocumentRepository(s).pending_count()
+        except Exception as exc:  # the database went away just after the step: log less
+            if unavailable(exc) is None:
+                raise
+            left = -1
         if p.status == "forgotten":
             log.info("document %d forgotten: %d entries hidden", p.document_id, p.tokens_stored)
         elif p.status == "done":

@@ -120,7 +120,7 @@ async def collect(state: AppState) -> DashboardData:
     "/admin/stats/history",
     tags=["admin"],
     response_model=DashboardData,
-    responses=error_responses(401, 429),
+    responses=error_responses(401, 429, 503),
     summary="The dashboard's time series and figures",
 )
 async def stats_history(request: Request, state: State, creds: Credentials) -> DashboardData:

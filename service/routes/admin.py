@@ -27,7 +27,7 @@ from service.stats import policy_out, read_db, summarise
 log = logging.getLogger(__name__)
 
 router = APIRouter(
-    prefix="/admin", tags=["admin"], dependencies=[AdminAuth], responses=error_responses(401)
+    prefix="/admin", tags=["admin"], dependencies=[AdminAuth], responses=error_responses(401, 503)
 )
 
 

@@ -18,7 +18,7 @@ router = APIRouter(tags=["documents"])
     status_code=status.HTTP_202_ACCEPTED,
     response_model=IngestResponse,
     dependencies=[IngestAuth],
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 413, 422, 503),
     summary="Queue documents for memorisation",
 )
 def ingest(body: IngestRequest, session: DbSession, state: State) -> IngestResponse:
@@ -67,7 +67,7 @@ def document_out(d: Document) -> DocumentOut:
     "/documents/{doc_id}",
     response_model=DocumentOut,
     dependencies=[IngestAuth],  # ids are sequential: open, it would list every document
-    responses=error_responses(401, 404, 422),
+    responses=error_responses(401, 404, 422, 503),
     summary="A document's status and what was stored",
 )
 def get_document(doc_id: RowId, session: DbSession) -> DocumentOut:
