@@ -21,14 +21,15 @@ Collection ``<name>``: ``id`` (INT64 primary key), ``value`` (next token), ``doc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -36,11 +37,13 @@ import numpy.typing as npt
 from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory.base import Neighbours, Provenance, empty_neighbours
 from memlm.memory.url import MilvusURL
+from memlm.unavailable import MemoryUnavailable
 
 with warnings.catch_warnings():  # pymilvus 2.4 imports pkg_resources, deprecated
     warnings.simplefilter("ignore", DeprecationWarning)
     # pymilvus imports pkg_resources, which warns (a UserWarning from setuptools 80)
     warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
+    import grpc
     from pymilvus import (
         Collection,
         CollectionSchema,
@@ -49,6 +52,11 @@ with warnings.catch_warnings():  # pymilvus 2.4 imports pkg_resources, deprecate
         MilvusException,
         connections,
         utility,
+    )
+    from pymilvus.exceptions import (
+        ConnectError,
+        ConnectionNotExistException,
+        MilvusUnavailableException,
     )
 
 log = logging.getLogger(__name__)
@@ -69,6 +77,40 @@ _aliases = itertools.count()
 
 class MilvusMemoryError(RuntimeError):
     """The collection exists but is not a memlm memory of this dimension."""
+
+
+_AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _server_away(exc: BaseException) -> bool:
+    """Whether a pymilvus failure says the server cannot be reached (killed, restarting,
+    hung past the call's timeout), not that the request was wrong."""
+    if isinstance(exc, ConnectError | MilvusUnavailableException | ConnectionNotExistException):
+        return True
+    code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
+    if code in _AWAY_CODES:
+        return True
+    # pymilvus's retry loop ends with a MilvusException naming the gRPC code in its text
+    text = str(exc)
+    return "Retry timeout" in text or "Fail connecting" in text or "UNAVAILABLE" in text
+
+
+def _mapped(fn: _F) -> _F:
+    """Raise ``MemoryUnavailable`` (503 in the API, a paused retry in the worker) where
+    ``fn`` failed because the Milvus server is away; other failures stay as they are."""
+
+    @functools.wraps(fn)
+    def call(self: MilvusMemory, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (MilvusException, grpc.RpcError) as exc:
+            if not _server_away(exc):
+                raise
+            where = f"{self.url.host}:{self.url.port}"
+            raise MemoryUnavailable(f"the Milvus server at {where} is unavailable") from exc
+
+    return call  # type: ignore[return-value]
 
 
 def entry_ids(documents: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -100,7 +142,9 @@ class MilvusMemory:
 
     def __init__(self, url: MilvusURL, dim: int | None) -> None:
         self.url = url
-        self.timeout = url.timeout
+        # pymilvus bounds its retries of a failed call by ``timeout`` only when it is an
+        # int; a float means 75 retries (about 3.5 minutes against a dead server)
+        self.timeout = max(1, math.ceil(url.timeout))
         self.alias = f"memlm-{next(_aliases)}-{id(self):x}"
         connections.connect(alias=self.alias, host=url.host, port=url.port, timeout=url.timeout)
         self.server_version = str(utility.get_server_version(using=self.alias))
@@ -170,6 +214,7 @@ class MilvusMemory:
 
     # --- writing ---------------------------------------------------------------------------
 
+    @_mapped
     def append(
         self,
         keys: npt.ArrayLike,
@@ -206,6 +251,7 @@ class MilvusMemory:
             raise ValueError("two entries with the same (document, position)")
         return ids
 
+    @_mapped
     def upsert(
         self,
         keys: npt.ArrayLike,
@@ -231,6 +277,7 @@ class MilvusMemory:
         res = self.collection.delete(expr, timeout=self.timeout)
         return int(res.delete_count)
 
+    @_mapped
     def delete_document(self, doc_id: int) -> int:
         """Delete a document's entries; returns how many it held (0 when none)."""
         doc_id = int(doc_id)
@@ -239,6 +286,7 @@ class MilvusMemory:
             self._delete_expr(f"doc_id == {doc_id}")
         return held
 
+    @_mapped
     def delete_documents_except(self, keep: npt.ArrayLike, documents: npt.ArrayLike) -> int:
         """Delete the entries of ``documents`` that are not in ``keep`` (cleanup of entries
         whose documents never committed); returns how many were deleted."""
@@ -260,10 +308,12 @@ class MilvusMemory:
         )
         return int(res[0]["count(*)"]) if res else 0
 
+    @_mapped
     def count(self) -> int:
         """Live entries (deleted ones excluded), as of now (strong consistency)."""
         return self._count()
 
+    @_mapped
     def documents(self) -> npt.NDArray[np.int64]:
         """The distinct document ids that hold entries (reads the doc_id column)."""
         out: set[int] = set()
@@ -314,6 +364,7 @@ class MilvusMemory:
         finally:
             it.close()
 
+    @_mapped
     def refresh(self) -> int:
         """Follow an index another process re-created (a build); the query nodes follow
         inserts by themselves (growing segments), so nothing else is read. Returns 0."""
@@ -322,6 +373,7 @@ class MilvusMemory:
             self.params = served
         return 0
 
+    @_mapped
     def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
@@ -366,6 +418,7 @@ class MilvusMemory:
                 out.values[a + r, :w] = vals[:w]
         return out
 
+    @_mapped
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         want = np.asarray(ids, np.int64).reshape(-1)
         docs = np.full(len(want), -1, np.int64)
@@ -388,12 +441,14 @@ class MilvusMemory:
 
     # --- maintenance -----------------------------------------------------------------------
 
+    @_mapped
     def flush(self) -> float:
         """Seal the growing segments (they get indexed); returns the seconds it took."""
         t0 = time.perf_counter()
         self.collection.flush(timeout=self.timeout)
         return time.perf_counter() - t0
 
+    @_mapped
     def build(self, params: IndexParams | None = None) -> dict[str, Any]:
         """Flush, compact deleted rows away, and re-create the index when the size calls
         for other parameters (the collection is released meanwhile: searches fail until it
@@ -448,6 +503,7 @@ class MilvusMemory:
                 "seconds": round(time.perf_counter() - t0, 3),
             }
 
+    @_mapped
     def stats(self) -> dict[str, Any]:
         return {
             "backend": self.name,
