@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 
 from memlm.db.models import Document
 from memlm.unavailable import DATABASE, MEMORY
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from tests.tcp_proxy import TcpProxy
 from tests.test_disk_full import _texts
 from tests.throwaway_pg import throwaway_postgres
@@ -80,14 +80,14 @@ def test_postgres_restarted_during_ingest_and_predict(tmp_path: Path, tiny: Any)
 
             _wait(lambda: statuses().count("done") >= 3, 60, "the first documents")
             context = {"context": _texts(1, 2)[0][:80], "neighbours": 5}
-            assert c.post("/predict", json=context).status_code == 200
+            assert c.post("/predict", headers=READ, json=context).status_code == 200
 
             pg.stop()  # mid-ingest: the worker is encoding, appending or committing
             away = {
                 "ingest": lambda: c.post(
                     "/ingest", headers=INGEST, json={"documents": [doc(_texts(1, 3)[0])]}
                 ),
-                "predict": lambda: c.post("/predict", json=context),
+                "predict": lambda: c.post("/predict", headers=READ, json=context),
                 "document": lambda: c.get(f"/documents/{ids[0]}", headers=INGEST),
                 "stats": lambda: c.get("/admin/stats", headers=ADMIN),
             }
@@ -103,7 +103,7 @@ def test_postgres_restarted_during_ingest_and_predict(tmp_path: Path, tiny: Any)
 
             pg.start()
             _wait(lambda: statuses() == ["done"] * len(ids), 90, "recovery after the restart")
-            assert c.post("/predict", json=context).status_code == 200
+            assert c.post("/predict", headers=READ, json=context).status_code == 200
 
             with sessions() as s:
                 done = list(

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 from memlm.db.models import Document
 from memlm.unavailable import DISK_FULL
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from tests.small_fs import resize, small_filesystem
 
 pytestmark = pytest.mark.postgres
@@ -119,7 +119,11 @@ def test_a_full_disk_makes_documents_wait_and_loses_nothing(
             assert {d.error for d in rows(late) if d.attempts} == {DISK_FULL}
             assert c.get("/healthz").json() == {"status": "ok"}
             # served: the committed documents' entries only, nothing of a failed try
-            p = c.post("/predict", json={"context": _texts(1, 0)[0][:60], "neighbours": 20})
+            p = c.post(
+                "/predict",
+                headers=READ,
+                json={"context": _texts(1, 0)[0][:60], "neighbours": 20},
+            )
             assert p.status_code == 200
             assert {n["document_id"] for n in p.json()["neighbours"]} <= set(first)
             # no temporary file of a failed write holds space
@@ -197,7 +201,11 @@ def test_a_full_disk_under_the_embedded_sqlite_answers_503_and_loses_nothing(
             assert refused.json() == {"error": "unavailable", "detail": DISK_FULL}
             assert refused.headers["Retry-After"] == "1"
             assert c.get("/healthz").json() == {"status": "ok"}
-            p = c.post("/predict", json={"context": _texts(1, 0)[0][:60], "neighbours": 5})
+            p = c.post(
+                "/predict",
+                headers=READ,
+                json={"context": _texts(1, 0)[0][:60], "neighbours": 5},
+            )
             assert p.status_code == 200  # reads need no space: served as before
             assert {n["document_id"] for n in p.json()["neighbours"]} <= set(range(1, 7))
 
