@@ -62,7 +62,7 @@ def test_postgres_restarted_during_ingest_and_predict(tmp_path: Path, tiny: Any)
             ingest_retry_backoff_max_seconds=1.0,
             index_poll_seconds=0.2,
         )
-        engine = open_engine(settings, encoder=tiny)
+        engine: Any = open_engine(settings, encoder=tiny)
         app = build_app(
             settings, engine=engine, policy_factory=policy_factory, embedded_worker=True
         )

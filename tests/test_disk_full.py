@@ -87,7 +87,7 @@ def test_a_full_disk_makes_documents_wait_and_loses_nothing(
             ingest_max_attempts=1000,  # the documents wait for space; none fails for good
             index_poll_seconds=0.2,  # the API's poll reloads the manifest beside the worker
         )
-        engine = open_engine(settings, encoder=tiny)
+        engine: Any = open_engine(settings, encoder=tiny)
         app = build_app(
             settings, engine=engine, policy_factory=policy_factory, embedded_worker=True
         )
@@ -168,7 +168,7 @@ def test_a_full_disk_under_the_embedded_sqlite_answers_503_and_loses_nothing(
     with small_filesystem(tmp_path / "fs", "2m") as fs:
         settings = make_settings(
             fs,
-            None,
+            f"sqlite:///{fs / 'data' / 'memlm.sqlite'}",  # the embedded default's place
             model="tiny-llama",
             policy="fullmem",
             ingest_retry_backoff_seconds=0.5,
@@ -177,7 +177,7 @@ def test_a_full_disk_under_the_embedded_sqlite_answers_503_and_loses_nothing(
         )
         settings.data_dir.mkdir()
         upgrade(settings.db_url)
-        engine = open_engine(settings, encoder=tiny)
+        engine: Any = open_engine(settings, encoder=tiny)
         app = build_app(
             settings, engine=engine, policy_factory=policy_factory, embedded_worker=True
         )
