@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,3 +169,77 @@ def test_reads_on_a_fixed_memory_equal_one_thread_exactly(tmp_path, encoder):
 
     assert _run_threads([reads(s) for s in range(4)]) == []
     assert bad == []
+
+
+def test_answers_while_the_evidence_model_swaps_come_from_one_model(tmp_path, encoder):
+    """The served interpolation (the evidence model of a version) is swapped whole while
+    threads predict and score: every answer equals the single-threaded answer under one of
+    the two models, never a mix (each call reads ``served`` once)."""
+    from dataclasses import replace
+
+    from memlm.calibrator.evidence import PRIOR
+
+    eng = Engine.open(
+        tmp_path / "swap",
+        encoder=encoder,
+        policy="fullmem",
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.3),
+        window=WindowConfig(context=32, stride=16, batch_size=3),
+        evidence=True,
+    )
+    texts = _texts(6, seed=5)
+    for i, t in enumerate(texts):
+        eng.process_document(i, t, 19000)
+    first = eng.calibration.served
+    assert first.lambda_source == "evidence"
+    second = replace(
+        first,
+        params=replace(first.params, temperature=3.0),
+        evidence=replace(PRIOR, bias=1.0, w_dist=-8.0, w_short=0.0),
+    )
+    # the memorised texts' own prefixes (near matches) and unseen text (far ones)
+    queries = [t[: len(t) // 2] for t in texts[:4]] + _texts(2, seed=6)
+    want: dict[int, tuple[dict[str, list[float]], dict[str, list[float]]]] = {}
+    for n, served in enumerate((first, second)):
+        eng.calibration.served = served
+        want[n] = (
+            {q: [s.prob for s in eng.predict(q, top_n=5).suggestions] for q in queries},
+            {q: eng.score(q).logprobs for q in queries},
+        )
+    eng.calibration.served = first
+    assert want[0][1] != want[1][1]  # the two models answer differently
+    bad: list[str] = []
+    swaps = 0
+
+    def reads(seed: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(seed)
+            for _ in range(8):
+                q = rng.choice(queries)
+                p = [s.prob for s in eng.predict(q, top_n=5).suggestions]
+                if not any(np.allclose(p, want[n][0][q], atol=1e-9) for n in (0, 1)):
+                    bad.append(f"predict {q[:20]!r}")
+                s = eng.score(q).logprobs
+                if not any(np.allclose(s, want[n][1][q], atol=1e-9) for n in (0, 1)):
+                    bad.append(f"score {q[:20]!r}")
+
+        return run
+
+    readers = [reads(1), reads(2), reads(3)]
+    done = threading.Event()
+
+    def all_reads() -> None:
+        try:
+            assert _run_threads(readers) == []
+        finally:
+            done.set()
+
+    def swap_until_done() -> None:
+        nonlocal swaps
+        while not done.is_set():
+            eng.calibration.served = (first, second)[swaps % 2]
+            swaps += 1
+            time.sleep(0.0005)  # a swap every half millisecond: many inside each call
+
+    assert _run_threads([swap_until_done, all_reads]) == []
+    assert swaps > 100 and bad == []
