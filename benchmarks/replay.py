@@ -274,28 +274,23 @@ def main() -> None:
         )
     )
     h_days = {r["day"]: r for r in report.get("per_day", {}).get("monim", [])}
-    day_rows = []
-    for d in days:
-        h = h_days.get(d["day"], {})
-        ev = d["interpolation"]
-        day_rows.append(
-            (
-                d["day"],
-                d["entries"],
-                h.get("entries", "-"),
-                d["test_tokens"],
-                d["test_ppl"],
-                _served(ev),
-            )
+    h_ppl = harness_day_ppl(eval_out / "test_documents.json")
+    day_rows = [
+        (
+            d["day"],
+            d["entries"],
+            h_days.get(d["day"], {}).get("entries", "-"),
+            d["test_tokens"],
+            d["test_ppl"],
+            h_ppl.get(d["day"], float("nan")),
+            _served(d["interpolation"]),
         )
+        for d in days
+    ]
     print()
-    print(
-        markdown_table(
-            ["day", "entries (replay)", "entries (eval)", "test tokens", "replay ppl", "served"],
-            day_rows,
-            digits=2,
-        )
-    )
+    header = ["day", "entries (replay)", "entries (eval)", "test tokens", "replay ppl"]
+    header += ["eval ppl", "served by the replay"]
+    print(markdown_table(header, day_rows, digits=2, align="lrrrrrl"))
     print(f"\nload average after: {load_average()}")
     if args.json:
         args.json.write_text(
@@ -305,6 +300,17 @@ def main() -> None:
                 default=str,
             )
         )
+
+
+def harness_day_ppl(path: Path, system: str = "monim") -> dict[str, float]:
+    """The harness's test ppl of each day, from its ``test_documents.json``."""
+    data = json.loads(path.read_text())
+    sums: dict[str, list[float]] = {}
+    for doc, lp in zip(data["documents"], data["logprob_sums"][system], strict=True):
+        acc = sums.setdefault(doc["day"], [0.0, 0.0])
+        acc[0] += lp
+        acc[1] += doc["tokens"]
+    return {day: math.exp(-lp / n) for day, (lp, n) in sums.items() if n}
 
 
 def _served(interp: dict[str, Any]) -> str:

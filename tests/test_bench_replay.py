@@ -85,3 +85,16 @@ def test_ppl_and_relative_difference() -> None:
     assert replay.rel(25.0, 20.0) == "+25.00%"
     assert replay.rel(19.9, 20.0) == "-0.50%"
     assert replay.rel(1.0, 0.0) == "-"
+
+
+def test_harness_day_ppl_pools_the_documents_of_each_day(tmp_path: Path) -> None:
+    path = tmp_path / "test_documents.json"
+    path.write_text(
+        '{"documents": [{"id": "a", "day": "2017-01-06", "tokens": 2},'
+        ' {"id": "b", "day": "2017-01-06", "tokens": 2}, {"id": "c", "day": "2017-01-13",'
+        ' "tokens": 1}], "logprob_sums": {"monim": [-1.0, -3.0, -0.5], "bare": [0, 0, 0]}}'
+    )
+    assert replay.harness_day_ppl(path) == {
+        "2017-01-06": math.exp(1.0),
+        "2017-01-13": math.exp(0.5),
+    }
