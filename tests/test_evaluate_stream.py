@@ -614,3 +614,41 @@ def test_memrate_on_the_lm_alone_is_what_monim_stores_when_the_memory_has_no_wei
     md = (tmp_path / "heavy" / "report.md").read_text()
     assert "MemRate deciding on the LM alone, as with an empty memory: monim " in md
     assert (tmp_path / "heavy" / "memrate_daily.png").stat().st_size > 0
+
+
+def test_out_of_domain_with_the_evidence_lambda(tmp_path, enc, monkeypatch):
+    """--lambda evidence reports the out-of-domain ppl it serves: the model fitted on all
+    dev tokens (the last test day's fit), at the k tuned on dev, for every memory."""
+    import memlm.evaluate.harness
+    from memlm.calibrator.evidence import EvidenceModel
+    from memlm.evaluate.checkpoint import load_arrays
+    from memlm.interpolation import ppl
+    from memlm.knnlm import interpolate, knn_logprob
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(9)
+    ood = {c: [_doc(f"{c}-{i}", _text(rng, 50)) for i in range(2)] for c in ("wikipedia", "kjv")}
+    monkeypatch.setattr(memlm.evaluate.harness, "load_ood", lambda *a: ood)
+    cfg = _cfg(lambda_mode="evidence", ood_dir="unused")
+    report = evaluate(cfg, _stream(), tmp_path / "out", encoder=enc, echo=str)
+    for name in ("fullmem", "monim", "randmem"):
+        r = report["results"][name]
+        last = r["evidence_last_day"]
+        model = EvidenceModel.from_json(last)
+        for corpus in ("wikipedia", "kjv"):
+            a = load_arrays(tmp_path / "out" / "work" / name / "eval" / f"ood-{corpus}.npz")
+            d, v = a["distances"][:, : r["k"]], a["values"][:, : r["k"]]
+            lam = model.lambdas(d, v, a["qnorm"], last["temperature"], a["context"])
+            knn = knn_logprob(
+                d, np.where(v >= 0, 0, -1), v, a["gold"][:, None], last["temperature"]
+            )
+            want = ppl(interpolate(a["target_lm_logprob"], knn[:, 0], lam, v[:, 0] >= 0))
+            o = report["ood"][name][corpus]
+            assert o["ppl_evidence"] == pytest.approx(want, rel=1e-9)
+            assert o["evidence_vs_bare"] == pytest.approx(want / o["bare"] - 1)
+            assert o["mean_evidence_lambda"] == pytest.approx(lam[v[:, 0] >= 0].mean())
+            assert "ppl_calibrated" not in o
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| policy | corpus | bare ppl | constant lambda | evidence |" in md
+    o = report["ood"]["fullmem"]["kjv"]
+    assert f"| {o['ppl_evidence']:.2f} ({o['evidence_vs_bare']:+.2%}), mean lambda" in md

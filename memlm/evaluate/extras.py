@@ -126,23 +126,48 @@ def ood_table(
             continue
         params = _params(report, name)
         row: dict[str, Any] = {}
-        calibrated = None
+        calibrated = lambdas = None
+        both = {k: np.concatenate([a[k] for a in run.ood.values()]) for k in run.test}
+        both = {k: v for k, v in both.items() if k != "trime"}
         if cfg.lambda_mode == "calibrated" and params.lmbda > 0:
-            both = {k: np.concatenate([a[k] for a in run.ood.values()]) for k in run.test}
-            both = {k: v for k, v in both.items() if k != "trime"}
             dev = {k: v for k, v in run.dev.items() if k != "trime"}
             calibrated = calibrate_stream(dev, both, params).logprobs
+        elif cfg.lambda_mode == "evidence":
+            # As the test tokens (report._evidence_test): the evidence serves even where the
+            # constant tuned to 0, at the k tuned on dev; out-of-domain tokens carry days
+            # after the last, so the fit is the one on all dev tokens.
+            calibrated, lambdas = _evidence_ood(run, both, report["results"][name])
         start = 0
         for corpus, a in run.ood.items():
             lp = token_logprobs(a, params) if params.lmbda > 0 else a["target_lm_logprob"]
             row[corpus] = {"ppl_constant": ppl(lp), "bare": bare[corpus]}
             row[corpus]["constant_vs_bare"] = row[corpus]["ppl_constant"] / bare[corpus] - 1
             if calibrated is not None:
+                mode = "evidence" if lambdas is not None else "calibrated"
                 c = ppl(calibrated[start : start + len(lp)])
-                row[corpus] |= {"ppl_calibrated": c, "calibrated_vs_bare": c / bare[corpus] - 1}
+                row[corpus] |= {f"ppl_{mode}": c, f"{mode}_vs_bare": c / bare[corpus] - 1}
+            if lambdas is not None:
+                part = slice(start, start + len(lp))
+                found = both["values"][part, 0] >= 0
+                row[corpus]["mean_evidence_lambda"] = (
+                    float(lambdas[part][found].mean()) if found.any() else 0.0
+                )
             start += len(lp)
         out[name] = row
     return out
+
+
+def _evidence_ood(
+    run: PolicyRun, tokens: dict[str, np.ndarray], result: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Out-of-domain log-probs and lambdas of ``--lambda evidence``."""
+    from memlm.calibrator.evidence import stream
+    from memlm.interpolation import SERVED_GRID
+
+    temps = tuple(sorted({*SERVED_GRID.temperatures, result["temperature"]}))
+    dev = {key: v for key, v in run.dev.items() if key != "trime"}
+    lp, lam, _ = stream(dev, tokens, result["k"], temps)
+    return lp, lam
 
 
 def timing(

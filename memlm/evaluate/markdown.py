@@ -38,19 +38,23 @@ def sections(report: dict[str, Any]) -> list[str]:
                 lines.append(f"| {end} | " + " | ".join(_fmt(row.get(m)) for m in months) + " |")
     ood = report.get("ood")
     if ood:
+        # the column of the run's own lambda mode (constant: that column stays empty)
+        mode = "evidence" if report["settings"].get("lambda_mode") == "evidence" else "calibrated"
         lines += [
             "",
             "Out of domain after the whole stream (memory of the last evening):",
             "",
-            "| policy | corpus | bare ppl | constant lambda | calibrated |",
+            f"| policy | corpus | bare ppl | constant lambda | {mode} |",
             "|---|---|---:|---:|---:|",
         ]
         for name, row in ood.items():
             if name == "bare":
                 continue
             for corpus, r in row.items():
-                cal = r.get("ppl_calibrated")
-                cal_s = "-" if cal is None else f"{cal:.2f} ({r['calibrated_vs_bare']:+.2%})"
+                cal = r.get(f"ppl_{mode}")
+                cal_s = "-" if cal is None else f"{cal:.2f} ({r[f'{mode}_vs_bare']:+.2%})"
+                if "mean_evidence_lambda" in r:
+                    cal_s += f", mean lambda {r['mean_evidence_lambda']:.3g}"
                 lines.append(
                     f"| {name} | {corpus} | {r['bare']:.2f} "
                     f"| {r['ppl_constant']:.2f} ({r['constant_vs_bare']:+.2%}) | {cal_s} |"
