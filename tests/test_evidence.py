@@ -156,3 +156,52 @@ def test_stream_fits_day_by_day_on_dev() -> None:
         lp[rows], interpolate(test["target_lm_logprob"][rows], knn, want, v[:, 0] >= 0)
     )
     assert lp.mean() > test["target_lm_logprob"].mean()  # the memory helps here
+
+
+TEXT = (
+    "Dock workers in the northern port of Varnholt ended a 19-day strike on Tuesday after "
+    "the Kessler Maritime Group agreed to raise wages by 7.4 percent over three years."
+)
+
+
+def _recall(eng) -> tuple[int, list[float]]:  # noqa: ANN001 - either backend's engine
+    """Top-1 hits of /predict along TEXT at its word positions, and the lambdas."""
+    spans = eng.encoder.char_offsets(TEXT)
+    ids = eng.encoder.tokenize(TEXT)
+    contexts = [TEXT[: spans[i][0]] for i in range(4, len(ids))]
+    preds = eng.predict_batch(contexts, top_n=1)
+    hits = sum(
+        p.suggestions[0].token_id == ids[i] for p, i in zip(preds, range(4, len(ids)), strict=True)
+    )
+    return hits, [p.lam for p in preds]
+
+
+@pytest.mark.milvus
+def test_the_memory_recalls_what_it_holds_on_faiss_and_on_milvus(
+    tmp_path: Path, milvus_url: str
+) -> None:
+    """From the first document, before any build, on both backends: the prior trusts the
+    exact matches of an ingested text (every next token ranked first), with the same
+    lambdas on both (the real model's recall against the constant: benchmarks/fresh_recall.py
+    and tests/test_api_engine.py)."""
+    from memlm.encoder import Encoder
+    from memlm.engine import Engine
+    from memlm.knnlm import KnnParams
+
+    enc = Encoder.load("tiny-llama", threads=1)
+    knn = KnnParams(k=8, temperature=2.0, lmbda=0.005)
+    got = {}
+    for name, url in (("faiss", None), ("milvus", milvus_url)):
+        (tmp_path / name).mkdir()  # the service's data directory (lexical statistics)
+        eng = Engine.open(
+            tmp_path / name, encoder=enc, knn=knn, policy="fullmem", memory_url=url, evidence=True
+        )
+        eng.process_document(1, TEXT, 19000)
+        assert eng.served.lambda_source == "evidence"
+        got[name] = _recall(eng)
+        n = len(got[name][1])
+        assert got[name][0] == n, got[name]  # every stored next token ranked first
+        # exact and agreeing: trusted, a little less while the context is a few tokens
+        assert min(got[name][1]) > 0.5 and np.median(got[name][1]) > 0.9
+    # the same lambdas (faiss keeps float16 keys, Milvus float32: distances differ a little)
+    np.testing.assert_allclose(got["faiss"][1], got["milvus"][1], rtol=1e-2)

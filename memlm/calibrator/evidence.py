@@ -331,7 +331,13 @@ def choose(
         "seen_tokens": int(train_rows.get("seen", np.zeros(0, bool)).sum()),
     }
     if not len(train_rows["gold"]) or not len(val_rows["gold"]):
-        return PRIOR, {**rec, "source": "prior", "reason": "no held-out tokens with a query norm"}
+        why = (
+            "no held-out tokens with a query norm (recorded before they were kept)"
+            if not has_q.any()
+            else "no held-out token to fit on or to validate the fit on yet (the first "
+            "documents are searched against an empty memory)"
+        )
+        return PRIOR, {**rec, "source": "prior", "reason": why}
     bare = replace(PRIOR, lambda_max=0.0)
     rec["bare_val_nll"] = nll(val_rows, bare, k, default_temperature)
     best = (nll(val_rows, PRIOR, k, default_temperature), PRIOR, default_temperature)
