@@ -143,6 +143,7 @@ def test_milvus_away_raises_memory_unavailable_within_its_timeout_then_recovers(
     def entries(doc: int) -> tuple[Any, ...]:
         return keys, np.arange(30), np.full(30, doc), np.arange(30), np.full(30, 7)
 
+    open_milvus(milvus_url, 8).close()  # created and loaded with the fixture's 60 s
     with TcpProxy(milvus_server.host, milvus_server.port) as proxy:
         url = milvus_url.replace(f":{milvus_server.port}/", f":{proxy.port}/")
         mem = open_milvus(url.replace("timeout=60", "timeout=3"), 8)
