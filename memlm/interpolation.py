@@ -176,7 +176,17 @@ def choose_constant(
 
 def save_choice(index_root: Path, version: int, record: dict[str, Any]) -> Path:
     """Write a version's ``interpolation.json`` atomically (temp + ``os.replace``)."""
-    path = Path(index_root) / f"v{version:06d}" / INTERPOLATION_FILE
+    return save_version_json(index_root, version, INTERPOLATION_FILE, record)
+
+
+def load_choice(index_root: Path, version: int | None) -> tuple[int, dict[str, Any]] | None:
+    """The newest ``interpolation.json`` at or below ``version``, with its version."""
+    return load_version_json(index_root, version, INTERPOLATION_FILE)
+
+
+def save_version_json(index_root: Path, version: int, name: str, record: dict[str, Any]) -> Path:
+    """Write ``index/v000042/<name>`` atomically (temp + fsync + ``os.replace``)."""
+    path = Path(index_root) / f"v{version:06d}" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
     with open(tmp, "w") as f:
@@ -187,18 +197,18 @@ def save_choice(index_root: Path, version: int, record: dict[str, Any]) -> Path:
     return path
 
 
-def load_choice(index_root: Path, version: int | None) -> tuple[int, dict[str, Any]] | None:
-    """The newest ``interpolation.json`` at or below ``version``, with its version."""
+def load_version_json(
+    index_root: Path, version: int | None, name: str
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest ``index/v*/<name>`` at or below ``version``, with its version."""
     if version is None:
         return None
     root = Path(index_root)
-    found = sorted(
+    usable = sorted(
         int(p.parent.name[1:])
-        for p in root.glob(f"v*/{INTERPOLATION_FILE}")
-        if p.parent.name[1:].isdigit()
+        for p in root.glob(f"v*/{name}")
+        if p.parent.name[1:].isdigit() and int(p.parent.name[1:]) <= version
     )
-    usable = [v for v in found if v <= version]
     if not usable:
         return None
-    v = usable[-1]
-    return v, json.loads((root / f"v{v:06d}" / INTERPOLATION_FILE).read_text())
+    return usable[-1], json.loads((root / f"v{usable[-1]:06d}" / name).read_text())

@@ -26,9 +26,7 @@ ingested, which held-out tokens never show).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -283,31 +281,21 @@ def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, 
 
 def save(index_root: Path, version: int, model: EvidenceModel, record: dict[str, Any]) -> Path:
     """Write a version's ``evidence.json`` atomically (temp + ``os.replace``)."""
-    path = Path(index_root) / f"v{version:06d}" / EVIDENCE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "w") as f:
-        json.dump({"model": model.to_json(), **record}, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    from memlm.interpolation import save_version_json
+
+    return save_version_json(
+        index_root, version, EVIDENCE_FILE, {"model": model.to_json(), **record}
+    )
 
 
 def load(index_root: Path, version: int | None) -> tuple[int, EvidenceModel, dict[str, Any]] | None:
     """The newest ``evidence.json`` at or below ``version``: (its version, model, record)."""
-    if version is None:
+    from memlm.interpolation import load_version_json
+
+    found = load_version_json(index_root, version, EVIDENCE_FILE)
+    if found is None:
         return None
-    root = Path(index_root)
-    found = sorted(
-        int(p.parent.name[1:])
-        for p in root.glob(f"v*/{EVIDENCE_FILE}")
-        if p.parent.name[1:].isdigit() and int(p.parent.name[1:]) <= version
-    )
-    if not found:
-        return None
-    v = found[-1]
-    rec = json.loads((root / f"v{v:06d}" / EVIDENCE_FILE).read_text())
+    v, rec = found
     return v, EvidenceModel.from_json(rec.pop("model")), rec
 
 
