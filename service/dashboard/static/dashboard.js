@@ -274,8 +274,10 @@
       xaxis: { type: "category" } });
     b.forEach(function (r) {
       var it = r.interpolation, sizes = r.sizes || {};
-      var interp = it ? (it.lambda_source === "calibrator" ? "calibrator" : "k " + it.k + ", T " + it.temperature +
-        ", λ " + it.lambda) + " (" + it.source + ")" : "–";
+      var ev = it && it.evidence;
+      var interp = it ? (it.lambda_source === "calibrator" ? "calibrator"
+        : it.lambda_source === "evidence" && ev ? "evidence (" + (ev.source || "prior") + "), k " + ev.k + ", T " + ev.temperature
+        : "k " + it.k + ", T " + it.temperature + ", λ " + it.lambda + " (" + it.source + ")") : "–";
       var ppl = it && it.bare_ppl !== null && it.ppl !== null ? fixed(it.bare_ppl, 2) + " → " + fixed(it.ppl, 2) : "–";
       row(body, [r.version === null ? "–" : "v" + r.version, r.status + (r.error ? ": " + r.error : ""), r.requested_by,
         time(r.finished_at), fixed(r.seconds, 2), num(r.entries), bytes(sizes.bytes_on_disk), interp, ppl,
@@ -302,7 +304,14 @@
       dl.appendChild(dt);
       dl.appendChild(dd);
     }
-    fact("lambda set by", it.lambda_source === "calibrator" ? "the calibrator (it beat the constant)" : "the constant");
+    fact("lambda set by", it.lambda_source === "calibrator" ? "the calibrator (it beat the evidence)"
+      : it.lambda_source === "evidence" ? "the retrieval evidence, per token" : "the constant (MEMLM_KNN_LAMBDA)");
+    var ev = it.evidence;
+    if (ev) {
+      fact("evidence", (ev.source === "fitted" ? "fitted on " + num(ev.fitted_tokens) + " recorded tokens (held out and seen)" : "the prior") +
+        ": bias " + fixed(ev.bias, 2) + ", distance " + fixed(ev.w_dist, 2) + ", agreement " + fixed(ev.w_agree, 2) +
+        ", short context " + fixed(ev.w_short, 2));
+    }
     fact("constant", "k " + it.k + ", T " + it.temperature + ", λ " + it.lambda + " (" + it.source +
       (it.chosen_for ? ", chosen at v" + it.chosen_for : ", no build chose yet") + ")");
     fact("held-out ppl at that choice", it.heldout_tokens
