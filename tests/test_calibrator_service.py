@@ -209,6 +209,7 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
             "lambda": 0.5,
             "source": "fixed",
             "lambda_source": "constant",
+            "evidence": None,  # lambda fixed by the settings: no evidence interpolation
             "heldout_tokens": tokens_a + tokens_b,
             "heldout_ppl": on_disk["ppl"],
             "heldout_bare_ppl": on_disk["bare_ppl"],
