@@ -39,7 +39,9 @@ def sections(report: dict[str, Any]) -> list[str]:
     ood = report.get("ood")
     if ood:
         # the column of the run's own lambda mode (constant: that column stays empty)
-        mode = "evidence" if report["settings"].get("lambda_mode") == "evidence" else "calibrated"
+        # (the fine-tuning section's report has no settings: calibrated, as before)
+        lambda_mode = (report.get("settings") or {}).get("lambda_mode")
+        mode = "evidence" if lambda_mode == "evidence" else "calibrated"
         lines += [
             "",
             "Out of domain after the whole stream (memory of the last evening):",
