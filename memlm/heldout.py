@@ -17,15 +17,15 @@ records join the calibrator's training set and are deleted.
 
 from __future__ import annotations
 
-import os
 import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from memlm.datastore.durable import atomic_savez
 
 PENDING_DIR = "calibrator-pending"
 _NAME = re.compile(r"^d(-?\d+)-doc(-?\d+)-n(\d+)\.npz$")
@@ -174,17 +174,7 @@ class HeldOutRecorder:
         assert all(len(v) == n for v in arrays.values())
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"d{day}-doc{doc_id}-n{n}.npz"
-        tmp = self.root / f".tmp-{path.name}"
-        payload: dict[str, Any] = arrays
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **payload)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:  # a full disk: the partial temp file must not stay, holding space
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, path)
+        atomic_savez(path, self.root / f".tmp-{path.name}", dict(arrays))
         return path
 
     @staticmethod

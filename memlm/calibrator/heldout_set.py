@@ -7,11 +7,11 @@ One ``.npz`` file in the engine's data directory (``calibrator-train.npz``), wit
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from memlm.datastore.durable import atomic_savez
 
 TRAIN_FILE = "calibrator-train.npz"  # the held-out tokens merged so far (data directory)
 
@@ -62,17 +62,7 @@ class HeldoutSet:
         return index
 
     def write(self, rows: dict[str, np.ndarray]) -> None:
-        tmp = self.path.with_suffix(".tmp.npz")
-        arrays: dict[str, Any] = rows
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:  # a full disk: the partial temp file must not stay, holding space
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, self.path)
+        atomic_savez(self.path, self.path.with_suffix(".tmp.npz"), dict(rows))
         self._index = None
 
     def add(

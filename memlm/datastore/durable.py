@@ -6,6 +6,9 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from memlm.datastore.layout import LOCK, DatastoreError, SimulatedCrash
 
@@ -38,6 +41,20 @@ def atomic_write_text(path: Path, text: str, *, crash_at: str | None = None) -> 
         raise SimulatedCrash(crash_at)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def atomic_savez(path: Path, tmp: Path, arrays: dict[str, Any]) -> None:
+    """``np.savez`` to ``tmp``, fsync, then ``os.replace`` onto ``path``; a write that fails
+    (a full disk) removes its partial temp file instead of leaving it holding space."""
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
 
 
 def _give_back(f: Path, size: int, new_file: bool) -> None:
