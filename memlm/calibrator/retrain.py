@@ -71,11 +71,10 @@ def compare(
     k and T of p_kNN are the constant's for both: only lambda differs.
     """
     root = Path(index_root)
-    usable = [v for v in saved_versions(root, CALIBRATOR_DIR) if v <= version]
-    if not usable:
+    found = previous(root, CALIBRATOR_DIR, version + 1)  # the newest at or below version
+    if found is None:
         return None
-    cal_v = usable[-1]
-    cal = Calibrator.load(root / f"v{cal_v:06d}" / CALIBRATOR_DIR)
+    cal_v, cal = found
     out: dict[str, Any] = {"calibrator_version": cal_v, "val_tokens": 0}
     none = {**out, "val_nll": None, "constant_val_nll": None, "beats_constant": False}
     if not rows:
@@ -170,10 +169,10 @@ def _calibrator_both_views(
     """The served calibrator's validation NLL weighted as the evidence's: held-out and
     seen views half and half (held-out only where no seen view was recorded)."""
     root = Path(index_root)
-    usable = [v for v in saved_versions(root, CALIBRATOR_DIR) if v <= version]
-    if not usable or not rows:
+    found = previous(root, CALIBRATOR_DIR, version + 1)  # the newest at or below version
+    if found is None or not rows:
         return None
-    cal = Calibrator.load(root / f"v{usable[-1]:06d}" / CALIBRATOR_DIR)
+    cal = found[1]
     mask = validation_rows(rows, cal.cfg)
     out = []
     for view in ("held-out", "seen"):
