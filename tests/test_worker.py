@@ -45,12 +45,11 @@ def by_name(name: str, delta: float | None, params: dict[str, object]) -> str:
     return name
 
 
-@pytest.fixture
-def setup(
-    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
-) -> Iterator[Setup]:
-    settings = make_settings(tmp_path, sqlite_url, ingest_retry_backoff_seconds=0)
-    sessions = make_sessions(sqlite_url)
+def _setup(tmp_path: Path, url: str, make_sessions: Callable[[str], Sessions]) -> Iterator[Setup]:
+    """Settings, sessions and a fake engine on ``url``, and a factory of workers on them
+    (their locks released afterwards)."""
+    settings = make_settings(tmp_path, url, ingest_retry_backoff_seconds=0)
+    sessions = make_sessions(url)
     engine = FakeEngine()
     workers: list[IngestWorker] = []
 
@@ -62,6 +61,13 @@ def setup(
     yield settings, sessions, engine, new_worker
     for w in workers:
         w.lock.release()
+
+
+@pytest.fixture
+def setup(
+    tmp_path: Path, sqlite_url: str, make_sessions: Callable[[str], Sessions]
+) -> Iterator[Setup]:
+    yield from _setup(tmp_path, sqlite_url, make_sessions)
 
 
 def day_rows(sessions: Sessions) -> list[tuple[int, int, int]]:
@@ -602,19 +608,7 @@ def any_setup(
     request: pytest.FixtureRequest, tmp_path: Path, make_sessions: Callable[[str], Sessions]
 ) -> Iterator[Setup]:
     url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
-    settings = make_settings(tmp_path, url, ingest_retry_backoff_seconds=0)
-    sessions = make_sessions(url)
-    engine = FakeEngine()
-    workers: list[IngestWorker] = []
-
-    def new_worker() -> IngestWorker:
-        w = IngestWorker(engine, sessions, settings, policy_factory=by_name)
-        workers.append(w)
-        return w
-
-    yield settings, sessions, engine, new_worker
-    for w in workers:
-        w.lock.release()
+    yield from _setup(tmp_path, url, make_sessions)
 
 
 def _forget(sessions: Sessions, doc_id: int) -> str:
