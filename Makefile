@@ -12,11 +12,15 @@ run: install
 eval-quick:
 	$(PY) -m memlm.cli eval --start 2017-02-13 --days 2 --max-docs-per-day 5 --out runs/quick
 
-test: install
+# The same checks locally and in CI (.ci/run): format, lint, types, layering, then tests.
+test: install lint
 	$(PY) -m pytest -q
 
 lint:
-	ruff format --check . && ruff check . && mypy memlm
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy memlm service workers tests/fakes.py
+	lint-imports --no-cache
 
 eval-slice:
 	$(PY) -m memlm.cli eval --start 2017-02-13 --days 5 --max-docs-per-day 20 --out runs/slice20

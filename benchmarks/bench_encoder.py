@@ -100,9 +100,7 @@ def main() -> None:
     memory = news[args.docs : args.docs + args.memory_docs]
     ids = [enc.tokenize(d.text) for d in timed]
     n_tok = sum(len(i) - 1 for i in ids)
-    window = WindowConfig(
-        context=args.context, stride=args.context - 1, batch_size=args.batch_size
-    )
+    window = WindowConfig(context=args.context, stride=args.context - 1, batch_size=args.batch_size)
     # CUDA runs asynchronously: a timer read before the device finished would time nothing
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flop_tok = enc.flops_per_token(args.context)

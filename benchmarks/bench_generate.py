@@ -6,7 +6,7 @@ memory), interleaved round by round so a change of the machine's load hits every
 
   - HF generate: ``model.generate`` of the engine's own model, greedy, ``--tokens`` new
     tokens exactly (no end-of-text stop), attention cache on;
-  - memlm.generate: the /generate loop called directly (``memlm.generate.generate``),
+  - memlm.engine.generation: the /generate loop called directly (``memlm.engine.generation.generate``),
     greedy, memory on: every step searches the memory and interpolates (the served
     k, T and lambda), same number of tokens;
   - HTTP /generate: the whole request over a local socket (JSON, the executor's jobs of
@@ -54,7 +54,7 @@ def main() -> None:
     import torch
 
     from memlm.corpus import load_news
-    from memlm.generate import GenerateConfig, generate
+    from memlm.engine.generation import GenerateConfig, generate
     from service.app import create_app
 
     load_before = load_average()
@@ -83,7 +83,11 @@ def main() -> None:
     current: list[list[int]] = []
     outputs: dict[str, list[int]] = {}
     agree: list[int] = []
-    produced: dict[str, list[int]] = {"HF generate": [], "memlm.generate": [], "HTTP /generate": []}
+    produced: dict[str, list[int]] = {
+        "HF generate": [],
+        "memlm.engine.generation": [],
+        "HTTP /generate": [],
+    }
 
     def next_round() -> None:
         if outputs:  # the round before: how many greedy tokens the memory left alone
@@ -107,7 +111,7 @@ def main() -> None:
     def ours() -> None:
         _, toks = generate(engine, current[0], cfg)
         outputs["memlm"] = [t.token_id for t in toks]
-        produced["memlm.generate"].append(len(toks))
+        produced["memlm.engine.generation"].append(len(toks))
 
     cpu: dict[str, list[float]] = {name: [] for name in produced}
 
@@ -124,7 +128,7 @@ def main() -> None:
 
     paths: dict[str, Any] = {
         "HF generate": cpu_timed("HF generate", hf),
-        "memlm.generate": cpu_timed("memlm.generate", ours),
+        "memlm.engine.generation": cpu_timed("memlm.engine.generation", ours),
     }
     with contextlib.ExitStack() as stack:
         if not args.no_http:

@@ -12,7 +12,7 @@ other news articles:
     queue, the engine, provenance from the database), one request at a time;
   - HTTP /predict, neighbours=5: the same with provenance snippets;
   - HTTP /predict, words=5: five whole-word suggestions (a beam search that continues
-    the forward's attention cache, memlm/words.py);
+    the forward's attention cache, memlm/knnlm/words.py);
   - HTTP /predict, local_memory: TRIME local memory (the context's own tokens) in the
     softmax before the datastore.
 

@@ -42,6 +42,7 @@ from memlm.calibrator import (  # noqa: E402
     token_rows,
     training_set,
 )
+from memlm.calibrator.lexical import LexicalStats  # noqa: E402
 from memlm.corpus import Document, load_corpus  # noqa: E402
 from memlm.datastore import Datastore  # noqa: E402
 from memlm.encoder import Encoder, WindowConfig  # noqa: E402
@@ -60,8 +61,7 @@ from memlm.evaluate import (  # noqa: E402
 from memlm.evaluate.ood import bible_docs, wiki_docs  # noqa: E402
 from memlm.index import MemoryIndex  # noqa: E402
 from memlm.knnlm import KnnParams  # noqa: E402
-from memlm.lexical import LexicalStats  # noqa: E402
-from memlm.policy import make_policy  # noqa: E402
+from memlm.knnlm.policy import make_policy  # noqa: E402
 
 SEEDS = (0, 1, 2)
 # the 0..0.5, plus two on the scale of this slice's lambdas (tuned constant 0.05)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from memlm.calibrator.constant import SERVED_GRID, ppl, token_logprobs
 from memlm.calibrator.evidence import features, stream
 from memlm.evaluate.checkpoint import load_eval
-from memlm.interpolation import SERVED_GRID, ppl, token_logprobs
 from memlm.knnlm import KnnParams
 
 EDGES = (0.0, 0.1, 0.2, 0.3, 0.35, 0.4, 0.45, 0.5, 10.0)

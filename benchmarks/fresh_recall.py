@@ -110,9 +110,9 @@ def main() -> None:
 
     from _common import memorise, rebuild
 
+    from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
     from memlm.corpus import Document, by_day, load_news
     from memlm.engine import Engine
-    from memlm.interpolation import SERVED_DEFAULT, SERVED_GRID
 
     data = json.loads(args.articles.read_text())
     start = dt.date.fromisoformat(args.start)

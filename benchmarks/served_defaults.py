@@ -4,7 +4,7 @@ Streams a slice of the bundled news with FullMem and MoNIM (MoNIM scoring with t
 interpolation, as the service does) and scores every held-out token (dev and test: nothing
 is tuned here) against the memory of its evening, for a few candidate constants; prints,
 per candidate, the perplexity over all held-out tokens and the worst day's ratio to the
-bare LM.  The service's default must not hurt on any day (memlm/interpolation.py).
+bare LM.  The service's default must not hurt on any day (memlm/calibrator/constant.py).
 
     MEMLM_THREADS=1 python benchmarks/served_defaults.py --start 2017-02-13 --days 5 \\
         --max-docs-per-day 20
@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 from _common import markdown_table
 
+from memlm.calibrator.constant import ppl, token_logprobs
 from memlm.corpus import load_corpus
 from memlm.encoder import Encoder, WindowConfig
 from memlm.evaluate import TokenCache, plan_stream, run_policy
-from memlm.interpolation import ppl, token_logprobs
 from memlm.knnlm import KnnParams
-from memlm.policy import make_policy
+from memlm.knnlm.policy import make_policy
 
 CANDIDATES = [
     KnnParams(k=k, temperature=t, lmbda=lam)

@@ -32,14 +32,20 @@ import numpy as np
 import torch
 from _common import markdown_table
 
-from memlm.train.data import bptt_batches, load_encoded_splits
-from memlm.train.lstm_models import (
+from memlm.research.data import bptt_batches, load_encoded_splits
+from memlm.research.lstm_models import (
     ShortSpanConfig,
     ShortSpanLM,
     count_parameters,
     hidden_for_budget,
 )
-from memlm.train.lstm_train import TrainConfig, evaluate, save_checkpoint, set_threads, train_model
+from memlm.research.lstm_train import (
+    TrainConfig,
+    evaluate,
+    save_checkpoint,
+    set_threads,
+    train_model,
+)
 
 WINDOWS = (1, 5, 10, 15)
 ATTENTIVE = ("attention", "kv", "kvp")
@@ -226,8 +232,8 @@ def knn_eval(args: argparse.Namespace) -> int:
     """FullMem vs MoNIM with a trained short-span LM as the encoder of the datastore."""
     from memlm.corpus import load_news
     from memlm.evaluate import EvalConfig, evaluate, render_markdown
-    from memlm.train.data import split_documents
-    from memlm.train.lstm_encoder import ShortSpanEncoder
+    from memlm.research.data import split_documents
+    from memlm.research.lstm_encoder import ShortSpanEncoder
 
     enc = ShortSpanEncoder.from_checkpoint(args.knn_eval)
     splits = split_documents(load_news())  # the split the LM was trained with (seed 0, 5%/5%)
@@ -267,7 +273,7 @@ def diagnose(args: argparse.Namespace) -> int:
     parameters for a freshly initialised model and for the checkpoint, the spread of the
     attention weights across tokens, and the mean and spread of the key/value/predict parts.
     """
-    from memlm.train.lstm_train import load_checkpoint, masked_loss
+    from memlm.research.lstm_train import load_checkpoint, masked_loss
 
     trained, _ = load_checkpoint(args.diagnose)
     cfg = trained.cfg

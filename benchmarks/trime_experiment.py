@@ -30,14 +30,15 @@ from typing import Any
 import torch
 from _common import markdown_table
 
-from memlm.train.data import (
+from memlm.knnlm.trime import interpolate, memory_gold_logprob
+from memlm.research.data import (
     EncodedCorpus,
     EncodedSplits,
     load_encoded_splits,
     make_segments,
     stream_segments,
 )
-from memlm.train.transformer_train import (
+from memlm.research.transformer_train import (
     ModelConfig,
     SegmentOutputs,
     TrainConfig,
@@ -50,7 +51,6 @@ from memlm.train.transformer_train import (
     set_threads,
     train,
 )
-from memlm.trime_memory import interpolate, memory_gold_logprob
 
 RUNS: dict[str, dict[str, Any]] = {
     "vanilla": {"objective": "vanilla"},
@@ -73,7 +73,7 @@ LONG_SEGMENTS = [1, 2, 4, 8, 16]
 EXT_TEMPS = [0.5, 1.0, 2.0, 4.0]
 LAMBDAS = [0.05, 0.1, 0.2, 0.3, 0.5]
 TAU_EXT6 = [None, 1.0, 2.0, 4.0, 8.0]  # None: retrieved entries only in Eq. 8-9
-MONIM_DELTA = -1.5  # DESIGN.md's default threshold
+MONIM_DELTA = -1.5  # MoNIM's default threshold (memlm.knnlm.policy.DEFAULT_DELTA)
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,7 @@ def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
     """
     from transformers import AutoModelForCausalLM
 
-    from memlm.train.transformer_train import forward_with_keys, latest_checkpoint
+    from memlm.research.transformer_train import forward_with_keys, latest_checkpoint
 
     _, _, dev_c, _ = data
     ckpt = latest_checkpoint(out / name)
@@ -328,7 +328,7 @@ def diagnose(name: str, out: Path, s: Setup, data: tuple) -> dict[str, Any]:
         "dev_positions": int(share.numel()),
     }
     if name == "trime-ext":  # how much of each stretch of the plan follows a BM25 neighbour
-        from memlm.train.bm25_batching import bm25_neighbours, greedy_chain
+        from memlm.research.bm25_batching import bm25_neighbours, greedy_chain
 
         splits, train_c, _, _ = data
         rows = stream_segments(train_c, s.seg_len, rows_multiple=s.batch_segments)
@@ -367,7 +367,7 @@ def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any
 
     Uses the evaluation harness's pieces (stream plan, cached encoder outputs, policy
     runs with the datastore and FAISS index); local / long-term memory come from
-    :func:`memlm.trime_memory.cached_doc_logprobs`; tau, the long-term span and the
+    :func:`memlm.knnlm.trime.cached_doc_logprobs`; tau, the long-term span and the
     kNN (k, T, lambda) are tuned on the dev documents and applied to the test documents.
     """
     import datetime as dt
@@ -386,8 +386,8 @@ def news_slice(out: Path, days: int, start: str, max_docs: int) -> dict[str, Any
         tune,
     )
     from memlm.knnlm import KnnParams
-    from memlm.policy import make_policy
-    from memlm.trime_memory import cached_doc_logprobs
+    from memlm.knnlm.policy import make_policy
+    from memlm.knnlm.trime import cached_doc_logprobs
 
     t0 = time.time()
     encoder = Encoder.load("smollm2-135m")

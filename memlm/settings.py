@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
-from memlm.policy import check_policy
+from memlm.knnlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
 DEFAULT_SECRET = "change-me"
@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     model: str = "smollm2-135m"
     policy: str = "monim"
     # The policy's threshold; None takes the policy's own default (-1.5 for MoNIM as in
-    # DESIGN.md; MoNIM(KL) works on another scale and has its own).
+    # the MoNIM paper; MoNIM(KL) works on another scale and has its own).
     delta: float | None = None
     # RandMem's share of tokens stored, or "monim": the MemRate MoNIM measured on this
     # stream (cumulative over the days its variants ran), as in MoNIM's RandMem baseline.

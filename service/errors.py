@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memlm.api import ErrorOut
 from memlm.db.errors import DomainError
 from memlm.unavailable import MemoryUnavailable, unavailable
-from service.schemas import ErrorOut
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ limits this server's settings set.
 
 FastAPI passes every schema through its ``OpenAPI`` model, whose bounds are floats: the
 seed's maximum 2**63 - 1 became 9.223372036854776e18, i.e. 2**63, which the server
-refuses. The request models (service/schemas.py) cannot know MEMLM_MAX_GENERATE_TOKENS
+refuses. The request models (memlm/api/) cannot know MEMLM_MAX_GENERATE_TOKENS
 and its kin either; the routes enforce them. Both are written in here, so a request the
 schema allows is never refused for a rule the schema hid.
 """
@@ -17,10 +17,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from memlm.settings import Settings
-from service.generate_schemas import GenerateRequest
-from service.schemas import (
+from memlm.api import (
     FullMemIn,
+    GenerateRequest,
     IngestRequest,
     MonimIn,
     PredictRequest,
@@ -28,6 +27,7 @@ from service.schemas import (
     RebuildRequest,
     ScoreRequest,
 )
+from memlm.settings import Settings
 
 # Every request body (with the models they hold, which come along).
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (

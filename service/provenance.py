@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
+from memlm.api import NeighbourOut
 from memlm.db.provenance import ProvenanceRepository, TextWindow
 from memlm.db.repositories import SpanRepository
 from service.errors import Unauthorized
-from service.schemas import NeighbourOut
 
 log = logging.getLogger(__name__)
 

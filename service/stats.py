@@ -7,6 +7,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from memlm.api import (
+    CalibratorOut,
+    DayStatOut,
+    IndexOut,
+    InterpolationOut,
+    PolicyOut,
+    StatsResponse,
+)
 from memlm.db.models import DayStat, IndexBuild, PolicySetting
 from memlm.db.repositories import (
     BuildRepository,
@@ -15,14 +23,6 @@ from memlm.db.repositories import (
     StatsRepository,
 )
 from memlm.settings import Settings
-from service.schemas import (
-    CalibratorOut,
-    DayStatOut,
-    IndexOut,
-    InterpolationOut,
-    PolicyOut,
-    StatsResponse,
-)
 
 
 def _rate(stored: int, seen: int) -> float:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from memlm.engine import ContextFit, EngineInputError
-from memlm.generate import GenerateConfig, GeneratedToken, StopText
+from memlm.engine.generation import GenerateConfig, GeneratedToken, StopText
 from memlm.locks import LockBusy
 
 VOCAB = ("the", "a", "of", "and", "to", "in")
@@ -345,7 +345,7 @@ class FakeEngine:
 
 
 class FakeGeneration:
-    """``memlm.generate.Generation`` over the fake engine's predictions (see the module doc)."""
+    """``memlm.engine.generation.Generation`` over the fake engine's predictions (see the module doc)."""
 
     def __init__(self, engine: FakeEngine, words: list[str], cfg: GenerateConfig) -> None:
         self.engine, self.words, self.cfg = engine, list(words), cfg
@@ -370,7 +370,7 @@ class FakeGeneration:
         return self._text.matched
 
     def step(self, n: int) -> list[GeneratedToken]:
-        out = []
+        out: list[GeneratedToken] = []
         while len(out) < n and not self.done:
             pred = self.engine.predict(
                 " ".join(self.words), top_n=100, neighbours=1 if self.cfg.neighbour else 0

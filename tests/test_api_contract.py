@@ -22,10 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
+from memlm.api import SPACE
+from memlm.engine.generation import GenerateConfig, choose
 from memlm.engine.score import perplexity
-from memlm.generate import GenerateConfig, choose
-from memlm.policy import POLICY_PARAMS
-from service.schemas import SPACE
+from memlm.knnlm.policy import POLICY_PARAMS
 from tests.service_helpers import ADMIN, INGEST, doc
 from tests.test_api import Env
 from tests.test_api import env as env  # the fixture
@@ -276,7 +276,7 @@ def test_the_openapi_states_what_put_policy_takes(env: Env) -> None:
     assert schemas["NoParams"]["additionalProperties"] is False
     params = schemas["RandMemParams"]
     assert params["additionalProperties"] is False
-    # the same names and bounds as memlm.policy; exact integers (FastAPI wrote 2**63 - 1
+    # the same names and bounds as memlm.knnlm.policy; exact integers (FastAPI wrote 2**63 - 1
     # as the float 9.223372036854776e18, i.e. 2**63, which the server refuses)
     assert {
         k: (v["type"], v["minimum"], v["maximum"]) for k, v in params["properties"].items()

@@ -17,12 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from memlm.calibrator.lexical import LexicalStats
 from memlm.datastore import Datastore
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import BuildRepository, DocumentRepository, NewDocument, SpanRepository
 from memlm.engine import day_number, open_engine, policy_factory
 from memlm.index import current_version, list_versions
-from memlm.lexical import LexicalStats
 from memlm.settings import Settings
 from service.app import create_app, sync_index
 from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
@@ -402,10 +402,10 @@ def test_bundled_smollm2_score_of_a_heldout_article_is_not_worse_than_the_bare_l
     scores within 0.5% of the bare LM (the old default, lambda 0.25 at T = 5, lost up to
     16%), while an ingested article is recalled: its perplexity falls far below the LM's
     and /predict along it ranks its own next token first."""
+    from memlm.calibrator.constant import SERVED_DEFAULT
     from memlm.corpus import load_corpus
     from memlm.encoder import Encoder
     from memlm.evaluate import plan_stream
-    from memlm.interpolation import SERVED_DEFAULT
 
     [plan] = plan_stream(load_corpus("news"), days=1, start=dt.date(2017, 2, 13))
     articles = plan.train[:4]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memlm.train.bm25_batching import bm25_batches, bm25_neighbours, greedy_chain, random_batches
+from memlm.research.bm25_batching import bm25_batches, bm25_neighbours, greedy_chain, random_batches
 
 TOPICS = {
     "football": [

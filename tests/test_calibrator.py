@@ -25,10 +25,10 @@ from memlm.calibrator import (
     validation_mask,
     with_prior,
 )
+from memlm.calibrator.lexical import LexicalStats
 from memlm.datastore import Datastore
 from memlm.index import IndexParams, MemoryIndex, build_index
 from memlm.knnlm import KnnParams
-from memlm.lexical import LexicalStats
 
 
 @pytest.fixture(autouse=True)
@@ -305,8 +305,8 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
 
 def test_the_calibrator_is_served_only_when_it_beats_the_constant(tmp_path: Path) -> None:
     from memlm.calibrator import ServedCalibration, training_set, validation_rows
+    from memlm.calibrator.constant import SERVED_GRID
     from memlm.calibrator.stream import token_rows
-    from memlm.interpolation import SERVED_GRID
     from memlm.knnlm import interpolate
 
     days = (10, 11)

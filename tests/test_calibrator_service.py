@@ -14,11 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from memlm.calibrator import Calibrator, epochs_for, token_features
+from memlm.calibrator.heldout import HeldOutRecorder
+from memlm.calibrator.lexical import LexicalStats
 from memlm.db.repositories import DocumentRepository, NewDocument
 from memlm.engine import open_engine, policy_factory
-from memlm.heldout import HeldOutRecorder
 from memlm.knnlm import has_neighbours, interpolate, knn_logprob
-from memlm.lexical import LexicalStats
 from service.app import create_app, sync_index
 from tests.service_helpers import ADMIN, make_settings
 from workers.builder import enqueue_rebuild

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from memlm.cli import app
 from memlm.cli.eval_cmd import IndexKind, LambdaMode
 from memlm.cli.train_cmd import RUNNERS, Arch, Objective, Tokenizer
-from memlm.policy import POLICY_NAMES
+from memlm.knnlm.policy import POLICY_NAMES
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "250", "NO_COLOR": "1"}
@@ -55,7 +55,7 @@ def _help(argv: list[str]) -> str:
 
 
 def test_the_literal_types_match_what_the_code_accepts() -> None:
-    from memlm.train.transformer_train import OBJECTIVES
+    from memlm.research.transformer_train import OBJECTIVES
 
     assert get_args(Arch) == tuple(RUNNERS)
     assert get_args(Objective) == OBJECTIVES

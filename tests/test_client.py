@@ -13,6 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
+from memlm.api import (
+    GenerateDone,
+    GeneratedTokenOut,
+    GenerateResponse,
+    PredictResponse,
+    StatsResponse,
+)
 from memlm.client import (
     AsyncClient,
     Client,
@@ -22,8 +29,6 @@ from memlm.client import (
     ValidationFailed,
     _core,
 )
-from service.generate_schemas import GenerateDone, GeneratedTokenOut, GenerateResponse
-from service.schemas import PredictResponse, StatsResponse
 from tests.service_helpers import doc
 from tests.test_api import Env, _env
 

@@ -17,8 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from memlm.calibrator.heldout import HeldOutRecorder
 from memlm.db.models import Document
-from memlm.heldout import HeldOutRecorder
 from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
 from service.app import create_app, sync_index
 from service.dashboard import history

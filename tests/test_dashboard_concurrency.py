@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memlm.heldout import HeldOutConfig, HeldOutRecorder, stack
+from memlm.calibrator.heldout import HeldOutConfig, HeldOutRecorder, stack
+from memlm.calibrator.heldout_curves import HeldOutCurves
 from memlm.knnlm import KnnParams
-from service.dashboard.heldout import HeldOutCurves
 from tests.test_dashboard import _expected_days
 
 K = 10  # neighbours per recorded token, as the engine records them (max(k, 10))

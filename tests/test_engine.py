@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
+from memlm.calibrator.lexical import LexicalStats
 from memlm.datastore import SimulatedCrash
 from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine, EngineInputError
 from memlm.knnlm import KnnParams, MemoryOptions
-from memlm.lexical import LexicalStats
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 3
 
@@ -240,7 +240,7 @@ def test_fit_context_keeps_exactly_what_predict_reads(tmp_path, encoder):
 
 
 def test_randmem_masks_are_per_document_and_repeat_on_reprocessing(engine):
-    from memlm.policy import RandMem
+    from memlm.knnlm.policy import RandMem
 
     pol = RandMem(0.3, seed=11)
     first = engine.prepare_document(21, TEXT, 19000, policy=pol)
@@ -307,7 +307,7 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
 def test_monim_decides_with_the_served_interpolation(tmp_path, encoder):
     """Ingest scoring asks the model served now: once a build serves lambda 0, MoNIM
     decides exactly as it would with the bare LM (and /score agrees with it)."""
-    from memlm.interpolation import TuneGrid
+    from memlm.calibrator.constant import TuneGrid
 
     eng = Engine.open(
         tmp_path / "data",

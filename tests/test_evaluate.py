@@ -20,7 +20,7 @@ from memlm.evaluate import (
     tune,
 )
 from memlm.knnlm import KnnParams
-from memlm.policy import FullMem, MoNIM, RandMem
+from memlm.knnlm.policy import FullMem, MoNIM, RandMem
 
 WORDS = [
     "the",
@@ -289,8 +289,8 @@ def test_split_file_round_trip_and_errors():
 def test_monim_ingests_with_the_served_interpolation_of_each_day(tmp_path, enc):
     """Day 1 scores with the default; each later day with what the dev tokens so far chose
     (the service's nightly choice); a fixed ingest constant stays as given."""
-    from memlm.interpolation import TuneGrid as Grid
-    from memlm.interpolation import choose_constant
+    from memlm.calibrator.constant import TuneGrid as Grid
+    from memlm.calibrator.constant import choose_constant
 
     docs = _stream(days=3, per_day=6)
     plans = plan_stream(docs, dev_share=0.2, test_share=0.2)

@@ -445,8 +445,8 @@ def test_report_schema(tmp_path, enc, monkeypatch):
 
 
 def test_continual_finetuning_learns_the_stream_and_leaves_the_frozen_model_alone(enc):
+    from memlm.calibrator.constant import ppl
     from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
-    from memlm.interpolation import ppl
 
     rng = np.random.default_rng(2)
     days = [dt.date(2021, 1, 31), dt.date(2021, 2, 1)]
@@ -620,9 +620,9 @@ def test_out_of_domain_with_the_evidence_lambda(tmp_path, enc, monkeypatch):
     """--lambda evidence reports the out-of-domain ppl it serves: the model fitted on all
     dev tokens (the last test day's fit), at the k tuned on dev, for every memory."""
     import memlm.evaluate.harness
+    from memlm.calibrator.constant import ppl
     from memlm.calibrator.evidence import EvidenceModel
     from memlm.evaluate.checkpoint import load_arrays
-    from memlm.interpolation import ppl
     from memlm.knnlm import interpolate, knn_logprob
 
     monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""memlm.generate over a real engine (tiny random Llama): the cached loop gives exactly the
+"""memlm.engine.generation over a real engine (tiny random Llama): the cached loop gives exactly the
 distribution a full re-run gives, the memory steers it, sampling is seeded, stop strings
 and text deltas add up."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memlm.engine import Engine
-from memlm.generate import GenerateConfig, Generation, StopText, choose, generate
+from memlm.engine.generation import GenerateConfig, Generation, StopText, choose, generate
 
 TEXT = (
     "The central bank of Ireland raised its key interest rate on Tuesday, citing "

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from memlm.calibrator import ServedCalibration
-from memlm.heldout import FIELDS, OPTIONAL_FIELDS, HeldOutConfig, HeldOutRecorder, sampled, stack
+from memlm.calibrator.heldout import (
+    FIELDS,
+    OPTIONAL_FIELDS,
+    HeldOutConfig,
+    HeldOutRecorder,
+    sampled,
+    stack,
+)
 
 ON = HeldOutConfig(enabled=True, share=0.5, day_tokens=100)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memlm.interpolation import (
+from memlm.calibrator.constant import (
     SERVED_DEFAULT,
     SERVED_GRID,
     TuneGrid,

@@ -3,7 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memlm.lexical import LexicalStats
+from memlm.calibrator.lexical import LexicalStats
 
 
 def test_counts_and_distinct_successors(tmp_path):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from memlm.corpus import Document
-from memlm.train.data import WordTokenizer
-from memlm.train.lstm_encoder import ShortSpanEncoder
-from memlm.train.lstm_models import ShortSpanConfig, ShortSpanLM
-from memlm.train.lstm_train import save_checkpoint
+from memlm.research.data import WordTokenizer
+from memlm.research.lstm_encoder import ShortSpanEncoder
+from memlm.research.lstm_models import ShortSpanConfig, ShortSpanLM
+from memlm.research.lstm_train import save_checkpoint
 
 TEXT = "the cat sat on the mat . the dog sat on the cat in 2017 ."
 

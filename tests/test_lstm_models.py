@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from memlm.train.lstm_models import (
+from memlm.research.lstm_models import (
     ShortSpanConfig,
     ShortSpanLM,
     count_parameters,

@@ -10,9 +10,9 @@ import typer
 from typer.testing import CliRunner
 
 from memlm.corpus import Document, write_jsonl
-from memlm.train.data import EncodedCorpus, bptt_batches
-from memlm.train.lstm_models import ShortSpanConfig, ShortSpanLM
-from memlm.train.lstm_train import (
+from memlm.research.data import EncodedCorpus, bptt_batches
+from memlm.research.lstm_models import ShortSpanConfig, ShortSpanLM
+from memlm.research.lstm_train import (
     TrainConfig,
     evaluate,
     load_checkpoint,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from memlm.knnlm import KnnParams, augmented_scores
-from memlm.policy import FullMem, MoNIM, MoNIMAMT, MoNIMKL, RandMem, TokenScores, make_policy
+from memlm.knnlm.policy import FullMem, MoNIM, MoNIMAMT, MoNIMKL, RandMem, TokenScores, make_policy
 
 LAM = 0.25
 

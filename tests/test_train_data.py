@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memlm.corpus import Document
-from memlm.train.data import (
+from memlm.research.data import (
     EncodedCorpus,
     WordTokenizer,
     bptt_batches,
@@ -212,7 +212,7 @@ def test_bad_arguments_raise():
 
 @pytest.mark.slow
 def test_subword_tokenizer_round_trip_and_cache(tmp_path: Path):
-    from memlm.train.data import SubwordTokenizer
+    from memlm.research.data import SubwordTokenizer
 
     tok = SubwordTokenizer(tmp_path)
     assert (tok.vocab_size, tok.boundary_id) == (49152, 0)

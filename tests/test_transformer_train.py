@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.train.data import EncodedCorpus, make_segments, stream_segments
-from memlm.train.transformer_train import (
+from memlm.research.data import EncodedCorpus, make_segments, stream_segments
+from memlm.research.transformer_train import (
     STATE_FILE,
     ModelConfig,
     TrainConfig,
@@ -24,7 +24,7 @@ from memlm.train.transformer_train import (
     perplexity,
     train,
 )
-from memlm.train.trime import lm_token_loss, memory_mask
+from memlm.research.trime import lm_token_loss, memory_mask
 
 V = 40
 TINY = ModelConfig(hidden=16, layers=1, heads=2, ffn=32, max_positions=64)
@@ -207,7 +207,7 @@ def test_parameter_counts_and_memory_eval() -> None:
 
 
 def test_read_text_documents(tmp_path: Path) -> None:
-    from memlm.train.transformer_train import read_text_documents
+    from memlm.research.transformer_train import read_text_documents
 
     txt = tmp_path / "a.txt"
     txt.write_text("first doc\nline two\n\n\nsecond doc\n")
@@ -224,8 +224,8 @@ def test_cli_runner_continues_training_an_hf_model(tmp_path: Path) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memlm.train import TrainRequest
-    from memlm.train.transformer_train import run
+    from memlm.research import TrainRequest
+    from memlm.research.transformer_train import run
 
     rng = np.random.default_rng(0)
     words = ["market", "storm", "minister", "goal", "rain", "shares", "vote", "match"]
@@ -302,9 +302,9 @@ def test_resume_loads_plain_data_only(tmp_path: Path) -> None:
 
 def test_cli_runner_trains_from_scratch_on_a_text_file(tmp_path: Path) -> None:
     """`memlm train --arch transformer --tokenizer word --data FILE.txt`: no --init-from."""
-    from memlm.train import TrainRequest
-    from memlm.train.data import WordTokenizer
-    from memlm.train.transformer_train import run
+    from memlm.research import TrainRequest
+    from memlm.research.data import WordTokenizer
+    from memlm.research.transformer_train import run
 
     rng = np.random.default_rng(1)
     words = ["market", "storm", "minister", "goal", "rain", "shares", "vote", "match"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from memlm.train.trime import LseAndGold, lm_token_loss, memory_mask, trime_token_loss
+from memlm.research.trime import LseAndGold, lm_token_loss, memory_mask, trime_token_loss
 
 
 def _batch(n: int = 6, v: int = 5, d: int = 4, seed: int = 0):

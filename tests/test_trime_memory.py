@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from memlm.trime_memory import (
+from memlm.knnlm.trime import (
     document_gold_logprobs,
     interpolate,
     l2_scores,
@@ -171,7 +171,7 @@ def test_document_gold_logprobs_brute_force(long_span: int) -> None:
 
 
 def test_cached_doc_logprobs_follow_the_scoring_windows() -> None:
-    from memlm.trime_memory import cached_doc_logprobs, window_begins
+    from memlm.knnlm.trime import cached_doc_logprobs, window_begins
 
     g = torch.Generator().manual_seed(4)
     n_tok, d, v = 12, 3, 4  # a document of 12 tokens: targets at positions 1..11

@@ -4,7 +4,7 @@ import pytest
 from memlm.encoder import Encoder
 from memlm.engine import Engine
 from memlm.knnlm import KnnParams, MemoryOptions
-from memlm.words import Distributions, WordConfig, complete_words, continuation_mask
+from memlm.knnlm.words import Distributions, WordConfig, complete_words, continuation_mask
 
 # A toy vocabulary: " a" and " ab" start words, "b" and "c" continue them, "." ends.
 TOKENS = [" a", "b", "c", ".", " ab"]

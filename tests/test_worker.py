@@ -369,7 +369,7 @@ def test_randmem_takes_rate_and_seed_from_the_settings_or_monims_measured_rate(
 
     from memlm.db.repositories import PolicyRepository, StatsRepository
     from memlm.engine import policy_factory
-    from memlm.policy import RandMem
+    from memlm.knnlm.policy import RandMem
 
     sessions = make_sessions(sqlite_url)
 

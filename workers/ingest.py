@@ -1,6 +1,6 @@
 """The ingest worker: claim pending documents in date order and memorise them.
 
-One unit of work is one document (DESIGN.md, data flow step 2)::
+One unit of work is one document (docs/architecture.md, the data flow)::
 
     claim (commit: processing) -> engine.prepare_document (encode, score, decide)
         -> inside the datastore's write lock: append durably, then one transaction:

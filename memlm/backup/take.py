@@ -64,7 +64,7 @@ _POLL = 0.005
 # Files of the memory directory besides the datastore and the index versions.
 LEXICAL = "lexical.npz"
 TRAIN = "calibrator-train.npz"  # memlm.calibrator.heldout_set.TRAIN_FILE
-PENDING = "calibrator-pending"  # memlm.heldout.PENDING_DIR
+PENDING = "calibrator-pending"  # memlm.calibrator.heldout.PENDING_DIR
 
 
 @dataclass

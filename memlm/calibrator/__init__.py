@@ -4,7 +4,7 @@ Features of one token, in the paper's three categories (App. A.3):
 
 - distribution of the LM: ``conf`` = max_y p_LM(y), ``entropy`` of p_LM, optionally the
   ``query`` key itself;
-- lexical statistics of the stream so far (:class:`memlm.lexical.LexicalStats`):
+- lexical statistics of the stream so far (:class:`memlm.calibrator.lexical.LexicalStats`):
   ``log_freq`` and ``log_succ`` of the last context token (log(1 + count));
 - density of the memory: ``knn_dist`` = L2 distances to the top-10 neighbours (the
   square root of the index's squared L2) and ``knn_distinct`` = log of the number of

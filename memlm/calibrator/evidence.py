@@ -281,7 +281,7 @@ def views(rows: dict[str, np.ndarray], *, seen_share: float = 0.5) -> dict[str, 
 
 def save(index_root: Path, version: int, model: EvidenceModel, record: dict[str, Any]) -> Path:
     """Write a version's ``evidence.json`` atomically (temp + ``os.replace``)."""
-    from memlm.interpolation import save_version_json
+    from memlm.calibrator.constant import save_version_json
 
     return save_version_json(
         index_root, version, EVIDENCE_FILE, {"model": model.to_json(), **record}
@@ -290,7 +290,7 @@ def save(index_root: Path, version: int, model: EvidenceModel, record: dict[str,
 
 def load(index_root: Path, version: int | None) -> tuple[int, EvidenceModel, dict[str, Any]] | None:
     """The newest ``evidence.json`` at or below ``version``: (its version, model, record)."""
-    from memlm.interpolation import load_version_json
+    from memlm.calibrator.constant import load_version_json
 
     found = load_version_json(index_root, version, EVIDENCE_FILE)
     if found is None:

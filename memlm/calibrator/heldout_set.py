@@ -77,7 +77,7 @@ class HeldoutSet:
         merge order): the oldest days leave first, so the set and each retrain stay bounded
         however long the stream runs.
         """
-        from memlm.heldout import stack
+        from memlm.calibrator.heldout import stack
 
         new = {k: np.asarray(v) for k, v in split.items()}
         if not new or not len(new["day"]):

@@ -28,7 +28,7 @@ from memlm.calibrator.stream import StreamCalibrator, token_rows, training_set, 
 from memlm.knnlm import KnnParams, interpolate
 
 if TYPE_CHECKING:
-    from memlm.interpolation import ConstantChoice, TuneGrid
+    from memlm.calibrator.constant import ConstantChoice, TuneGrid
 
 GATE_DIR = "gate"  # beside each index version: v000042/gate/
 
@@ -111,7 +111,7 @@ def choose(
 ) -> dict[str, Any]:
     """Record what ``version`` serves (``interpolation.json`` beside it) and return it:
     the constant chosen, and the calibrator instead if it beat it on validation tokens."""
-    from memlm.interpolation import save_choice
+    from memlm.calibrator.constant import save_choice
 
     compared = compare(rows, choice.params, index_root, version)
     source = "calibrator" if compared is not None and compared["beats_constant"] else "constant"

@@ -26,8 +26,8 @@ from memlm.calibrator.retrain import GATE_DIR, saved_versions
 from memlm.knnlm import KnnParams
 
 if TYPE_CHECKING:
-    from memlm.interpolation import ConstantChoice, TuneGrid
-    from memlm.lexical import LexicalStats
+    from memlm.calibrator.constant import ConstantChoice, TuneGrid
+    from memlm.calibrator.lexical import LexicalStats
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ class ServedCalibration:
         default: KnnParams | None = None,
         evidence: bool = False,
     ):
-        from memlm.interpolation import SERVED_DEFAULT
-        from memlm.lexical import LexicalStats
+        from memlm.calibrator.constant import SERVED_DEFAULT
+        from memlm.calibrator.lexical import LexicalStats
 
         self.data_dir = Path(data_dir)
         # shared: other writer processes update lexical.npz and the training set too, so
@@ -240,7 +240,7 @@ class ServedCalibration:
 
     def refresh_lexical(self) -> bool:
         """Shared writers: re-read the lexical statistics if another process saved them."""
-        from memlm.lexical import LexicalStats
+        from memlm.calibrator.lexical import LexicalStats
 
         stat = file_stamp(self.lexical_path)
         if not self.shared or stat == self._lexical_stat:
@@ -281,8 +281,8 @@ class ServedCalibration:
         Builds a new :class:`ServedInterpolation` and replaces ``served`` in one assignment
         (only when a file changed: ``reload_index`` calls this often).
         """
-        from memlm.interpolation import INTERPOLATION_FILE, load_choice
-        from memlm.lexical import LexicalStats
+        from memlm.calibrator.constant import INTERPOLATION_FILE, load_choice
+        from memlm.calibrator.lexical import LexicalStats
 
         root = Path(index_root)
         found = saved_versions(root, CALIBRATOR_DIR)
@@ -357,7 +357,7 @@ class ServedCalibration:
 
     def choose_constant(self, grid: TuneGrid, *, min_tokens: int | None = None) -> ConstantChoice:
         """Tune the constant (k, T, lambda) on every held-out token merged so far."""
-        from memlm.interpolation import MIN_TUNE_TOKENS, choose_constant
+        from memlm.calibrator.constant import MIN_TUNE_TOKENS, choose_constant
 
         return choose_constant(
             self.training_rows(),

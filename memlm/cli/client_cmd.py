@@ -32,7 +32,7 @@ def read_documents(path: Path) -> Iterator[dict[str, Any]]:
     ``id`` of ``memlm corpus export`` files is taken as ``external_id``."""
     from pydantic import ValidationError
 
-    from service.schemas import DocumentIn
+    from memlm.api import DocumentIn
 
     for file in _files(path):
         with open(file, encoding="utf-8") as f:

@@ -8,7 +8,7 @@ from typing import Literal
 
 import typer
 
-from memlm.policy import POLICY_NAMES
+from memlm.knnlm.policy import POLICY_NAMES
 
 IndexKind = Literal["auto", "flat"]
 
@@ -35,7 +35,7 @@ def eval_command(
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(
-        -10.0, help="MoNIM(KL) threshold on the key's log p(x_t) (see memlm/policy.py)"
+        -10.0, help="MoNIM(KL) threshold on the key's log p(x_t) (see memlm/knnlm/policy.py)"
     ),
     rand_rate: float | None = typer.Option(None, help="RandMem rate (default: MoNIM's MemRate)"),
     context: int = typer.Option(512, help="window length in tokens"),

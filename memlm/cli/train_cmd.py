@@ -1,7 +1,7 @@
 """`memlm train --arch ...`: train a language model on a document stream.
 
 The architecture picks a runner from ``RUNNERS``; a runner is ``"module:function"``
-taking a :class:`memlm.train.TrainRequest` and returning a JSON-able summary.  The
+taking a :class:`memlm.research.TrainRequest` and returning a JSON-able summary.  The
 module is imported only when its architecture is chosen.
 """
 
@@ -16,19 +16,19 @@ import typer
 
 # The choices of --arch, --objective and --tokenizer: Literal types so that `--help` lists
 # them and typer refuses anything else before a model loads (tests/test_cli_choices.py
-# checks them against RUNNERS and memlm.train.transformer_train.OBJECTIVES).
+# checks them against RUNNERS and memlm.research.transformer_train.OBJECTIVES).
 Arch = Literal["lstm", "attention", "kv", "kvp", "ngram", "transformer"]
 Objective = Literal["vanilla", "trime", "trime-long", "trime-ext"]
 Tokenizer = Literal["word", "subword"]
 
 # Architecture name -> "module:function".  Add an architecture here and to ``Arch``.
 RUNNERS: dict[Arch, str] = {
-    "lstm": "memlm.train.lstm_train:run",
-    "attention": "memlm.train.lstm_train:run",
-    "kv": "memlm.train.lstm_train:run",
-    "kvp": "memlm.train.lstm_train:run",
-    "ngram": "memlm.train.lstm_train:run",
-    "transformer": "memlm.train.transformer_train:run",  # --objective vanilla|trime|trime-long|trime-ext
+    "lstm": "memlm.research.lstm_train:run",
+    "attention": "memlm.research.lstm_train:run",
+    "kv": "memlm.research.lstm_train:run",
+    "kvp": "memlm.research.lstm_train:run",
+    "ngram": "memlm.research.lstm_train:run",
+    "transformer": "memlm.research.transformer_train:run",  # --objective vanilla|trime|trime-long|trime-ext
 }
 
 
@@ -81,7 +81,7 @@ def train(
     data: Path | None = typer.Option(None, help="transformer: FILE.txt|FILE.jsonl (--init-from)"),
 ) -> None:
     """Train a language model and print its dev/test perplexity as JSON."""
-    from memlm.train import TrainRequest, train_defaults
+    from memlm.research import TrainRequest, train_defaults
 
     if objective != "vanilla" and arch != "transformer":
         raise typer.BadParameter(

@@ -1,6 +1,6 @@
 """A Python client of the memlm API: :class:`Client` (blocking) and :class:`AsyncClient`.
 
-Answers are the API's own pydantic models (``service.schemas``, shared, never copied);
+Answers are the API's own pydantic models (``memlm.api``, shared, never copied);
 error answers raise the typed exceptions of :mod:`memlm.client.errors`, which carry the
 ``{"error", "detail"}`` body::
 
@@ -13,6 +13,7 @@ error answers raise the typed exceptions of :mod:`memlm.client.errors`, which ca
         print(c.predict("The prime minister said", top_n=5).suggestions[0].token)
 """
 
+from memlm.api import GenerateDone, GeneratedTokenOut, GenerateResponse
 from memlm.client.async_ import AsyncClient
 from memlm.client.errors import (
     BadRequest,
@@ -28,7 +29,6 @@ from memlm.client.errors import (
     ValidationFailed,
 )
 from memlm.client.sync import Client
-from service.generate_schemas import GenerateDone, GeneratedTokenOut, GenerateResponse
 
 __all__ = [
     "AsyncClient",

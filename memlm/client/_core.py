@@ -14,9 +14,8 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
+from memlm.api import DocumentIn, GenerateDone, GeneratedTokenOut
 from memlm.client.errors import MemlmError, Overloaded, TransportError, error_for
-from service.generate_schemas import GenerateDone, GeneratedTokenOut
-from service.schemas import DocumentIn
 
 M = TypeVar("M")
 

@@ -11,21 +11,23 @@ from typing import Any, TypeVar
 import httpx
 from httpx_sse import aconnect_sse
 
-from memlm.client import _core
-from memlm.client._core import Call
-from memlm.client.errors import MemlmError
-from service.generate_schemas import GenerateDone, GeneratedTokenOut, GenerateResponse
-from service.schemas import (
+from memlm.api import (
     AcceptedDocument,
     BuildOut,
     DocumentIn,
     DocumentOut,
+    GenerateDone,
+    GeneratedTokenOut,
+    GenerateResponse,
     IngestResponse,
     PolicyOut,
     PredictResponse,
     ScoreResponse,
     StatsResponse,
 )
+from memlm.client import _core
+from memlm.client._core import Call
+from memlm.client.errors import MemlmError
 
 M = TypeVar("M")
 

@@ -1,7 +1,7 @@
 """SQLAlchemy 2 tables: documents (and their token offsets), per-day statistics, index builds,
 the active policy.
 
-Schemas for HTTP live in ``service.schemas``; these classes are storage only.
+Schemas for HTTP live in ``memlm.api``; these classes are storage only.
 Every timestamp column is :class:`UTCDateTime`: stored in UTC, read back aware (UTC).
 """
 

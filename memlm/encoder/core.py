@@ -176,8 +176,8 @@ class Encoder:
 
     @functools.cached_property
     def continues_word(self) -> np.ndarray:
-        """(V,) bool: tokens that glue onto the token before them (memlm.words)."""
-        from memlm.words import continuation_mask
+        """(V,) bool: tokens that glue onto the token before them (memlm.knnlm.words)."""
+        from memlm.knnlm.words import continuation_mask
 
         return continuation_mask(self.token_strings(range(self.vocab_size)))
 

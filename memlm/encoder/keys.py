@@ -1,4 +1,4 @@
-"""Where the kNN key comes from: the input of the last decoder layer's MLP (DESIGN.md),
+"""Where the kNN key comes from: the input of the last decoder layer's MLP (as in kNN-LM),
 caught by a forward pre-hook into a list that belongs to the running forward."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _capture_key(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
 
 
 def last_mlp(model: Any) -> nn.Module:
-    """The last decoder layer's MLP: its input is the kNN key (DESIGN.md)."""
+    """The last decoder layer's MLP: its input is the kNN key."""
     base = model.base_model
     for attr in ("layers", "h"):  # Llama family / GPT-2 family
         layers = getattr(base, attr, None)

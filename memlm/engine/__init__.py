@@ -1,7 +1,7 @@
 """The engine facade: one object that the service and the workers drive.
 
 It owns the encoder, the datastore and the served memory index of one data directory,
-and offers the operations of the data flow in DESIGN.md: memorise a document with a
+and offers the operations of the data flow (docs/architecture.md): memorise a document with a
 policy, predict the next token, score a text, rebuild the index, forget a document.
 No HTTP here, and the database only in opening.py (reads of its records); the caller
 commits its own bookkeeping.
@@ -12,7 +12,7 @@ Modules, one responsibility each::
     core.py      state, served interpolation, scores of a text, build/write locks, reload
     ingest.py    ``process_document`` = ``prepare_document`` + ``store_document``
     predict.py   ``predict`` / ``predict_batch`` (words, TRIME memory, neighbours)
-    generation.py ``start_generation`` and the pieces :mod:`memlm.generate` steps with
+    generation.py ``start_generation`` and the pieces :mod:`memlm.engine.generation` steps with
     score.py     ``score``
     build.py     ``rebuild``, ``compact``, ``train_calibrator``, ``reconcile_index``
     forget.py    ``forget_document``, ``hide_documents``
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
         Suggestion,
     )
     from memlm.knnlm import MemoryOptions
-    from memlm.policy import make_policy
+    from memlm.knnlm.policy import make_policy
 
 # name -> the module that defines it
 _LAZY = {
@@ -78,7 +78,7 @@ _LAZY = {
     "policy_params": "memlm.engine.opening",
     "reconcile_index": "memlm.engine.opening",
     "MemoryOptions": "memlm.knnlm",
-    "make_policy": "memlm.policy",
+    "make_policy": "memlm.knnlm.policy",
 }
 
 __all__ = [

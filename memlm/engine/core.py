@@ -13,19 +13,19 @@ from typing import Any, cast
 import numpy as np
 
 from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
+from memlm.calibrator.constant import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
+from memlm.calibrator.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig
 from memlm.engine.errors import EngineInputError
-from memlm.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.index import MemoryIndex
-from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams
+from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
+from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy
 from memlm.memory import MemoryBackend, open_milvus, parse_memory_url
 from memlm.memory.faiss_backend import FaissMemory
 from memlm.memory.url import MilvusURL
-from memlm.policy import Policy, TokenScores, make_policy, token_scores
-from memlm.words import WordConfig
 
 
 class FaissOnly:
@@ -157,7 +157,7 @@ class EngineCore:
         """The augmented model's scores under the served interpolation, the lambda of each
         token (0 where the gate skips the search) and the search behind them (k columns).
 
-        The same model answers /score and decides what MoNIM stores (DESIGN.md).
+        The same model answers /score and decides what MoNIM stores (docs/calibrator.md).
         """
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours

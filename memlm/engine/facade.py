@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from memlm.calibrator.constant import MIN_TUNE_TOKENS, SERVED_GRID, TuneGrid
+from memlm.calibrator.heldout import HeldOutConfig
 from memlm.datastore import Datastore
 from memlm.encoder import BUNDLED_MODEL, Encoder, WindowConfig
 from memlm.engine.build import BuildMixin
@@ -14,10 +16,8 @@ from memlm.engine.ingest import IngestMixin
 from memlm.engine.predict import PredictMixin
 from memlm.engine.score import ScoreMixin
 from memlm.engine.stats import StatsMixin
-from memlm.heldout import HeldOutConfig
-from memlm.interpolation import MIN_TUNE_TOKENS, SERVED_GRID, TuneGrid
 from memlm.knnlm import KnnParams
-from memlm.policy import Policy, make_policy
+from memlm.knnlm.policy import Policy, make_policy
 
 log = logging.getLogger(__name__)
 

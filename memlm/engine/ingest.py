@@ -13,7 +13,7 @@ from memlm.datastore import SimulatedCrash
 from memlm.encoder import TokenOutputs
 from memlm.engine.core import EngineCore
 from memlm.engine.results import IngestResult, PreparedDocument
-from memlm.policy import Policy, TokenScores
+from memlm.knnlm.policy import Policy, TokenScores
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     directory); ``writer=False`` opens it read-only, for an API whose workers are other
     processes. Both follow the others' writes with ``engine.sync()``.
     """
+    from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
+    from memlm.calibrator.heldout import HeldOutConfig
     from memlm.engine.facade import Engine  # heavy: torch, transformers, faiss
-    from memlm.heldout import HeldOutConfig
-    from memlm.interpolation import SERVED_DEFAULT, SERVED_GRID
     from memlm.knnlm import KnnParams
 
     # A writer shares the data directory: other worker processes may append in turn.
@@ -86,7 +86,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
 
 def policy_factory(name: str, delta: float | None, params: dict[str, Any]) -> Any:
     """The engine's policy argument for the active policy row (name, delta, params)."""
-    from memlm.policy import make_policy  # heavy import, only once the engine is used
+    from memlm.knnlm.policy import make_policy  # heavy import, only once the engine is used
 
     return make_policy(name, delta=delta, **params)
 

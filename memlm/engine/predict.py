@@ -11,8 +11,8 @@ from memlm.engine.core import EngineCore
 from memlm.engine.errors import EngineInputError
 from memlm.engine.results import ContextFit, Neighbour, Prediction, Suggestion, _NextToken
 from memlm.knnlm import MemoryOptions, has_neighbours
-from memlm.trime_memory import scaled_dot_scores, trime_log_probs
-from memlm.words import Distributions, WordSuggestion, complete_words
+from memlm.knnlm.trime import scaled_dot_scores, trime_log_probs
+from memlm.knnlm.words import Distributions, WordSuggestion, complete_words
 
 
 class PredictMixin(EngineCore):
@@ -65,7 +65,7 @@ class PredictMixin(EngineCore):
     ) -> list[Prediction]:
         """``predict`` for several contexts: one LM forward and one search for all of them.
 
-        ``words`` > 0 adds that many whole-word suggestions (memlm.words), continuing the
+        ``words`` > 0 adds that many whole-word suggestions (memlm.knnlm.words), continuing the
         same forward's attention cache; ``memory`` adds TRIME local / long-term memory
         (earlier tokens of the context) to the LM softmax before the datastore's share.
         """

@@ -9,7 +9,7 @@ import numpy as np
 
 from memlm.encoder import TokenOutputs
 from memlm.index import BuildInfo
-from memlm.words import WordSuggestion
+from memlm.knnlm.words import WordSuggestion
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import numpy as np
 from memlm.engine.core import EngineCore
 from memlm.engine.results import ScoreResult
 from memlm.knnlm import MemoryOptions, has_neighbours, interpolate, knn_logprob
-from memlm.policy import Policy, TokenScores
-from memlm.trime_memory import cached_doc_logprobs
+from memlm.knnlm.policy import Policy, TokenScores
+from memlm.knnlm.trime import cached_doc_logprobs
 
 # exp(709.78) is the largest float64: a mean log-probability below -MAX_LOG_PPL (a sharp
 # memory with a small tau puts ~0 on the target) overflowed math.exp into a 500.

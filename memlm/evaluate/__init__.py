@@ -13,6 +13,7 @@ over the stream), ``config`` (the settings), ``report`` (tuning, tables, plots) 
 ``harness`` (the whole evaluation).
 """
 
+from memlm.calibrator.constant import TuneGrid, ppl, token_logprobs, tune
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig
 from memlm.evaluate.harness import evaluate
@@ -27,7 +28,6 @@ from memlm.evaluate.plan import (
 )
 from memlm.evaluate.report import plans_day_month, render_markdown
 from memlm.evaluate.run import DayStats, EvalTokens, PolicyRun, TrimeSpec, run_policy
-from memlm.interpolation import TuneGrid, ppl, token_logprobs, tune
 
 __all__ = [
     "EPOCH",

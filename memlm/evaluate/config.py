@@ -5,13 +5,13 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
+from memlm.calibrator.constant import TuneGrid
 from memlm.encoder import WindowConfig
 from memlm.evaluate.bootstrap import RESAMPLES
 from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
 from memlm.evaluate.run import TrimeSpec
-from memlm.interpolation import TuneGrid
 from memlm.knnlm import KnnParams
-from memlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
+from memlm.knnlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
 
 
 @dataclass

@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from memlm.calibrator.constant import TuneGrid, ppl, token_logprobs
 from memlm.evaluate import forgetting
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig
 from memlm.evaluate.names import name_words, pieces_of, summarise, top1_correct
 from memlm.evaluate.plan import DayPlan
 from memlm.evaluate.records import PolicyRun
-from memlm.interpolation import TuneGrid, ppl, token_logprobs
 from memlm.knnlm import KnnParams
 
 NAME_SYSTEMS = ("bare", "fullmem", "monim")
@@ -161,8 +161,8 @@ def _evidence_ood(
     run: PolicyRun, tokens: dict[str, np.ndarray], result: dict[str, Any]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Out-of-domain log-probs and lambdas of ``--lambda evidence``."""
+    from memlm.calibrator.constant import SERVED_GRID
     from memlm.calibrator.evidence import stream
-    from memlm.interpolation import SERVED_GRID
 
     temps = tuple(sorted({*SERVED_GRID.temperatures, result["temperature"]}))
     dev = {key: v for key, v in run.dev.items() if key != "trime"}

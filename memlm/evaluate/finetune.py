@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from memlm.calibrator.constant import ppl
 from memlm.corpus import Document
 from memlm.encoder import Encoder, WindowConfig
 from memlm.encoder.loading import load_model
 from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.plan import DayPlan
-from memlm.interpolation import ppl
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from memlm.interpolation import TuneGrid, ppl
+from memlm.calibrator.constant import TuneGrid, ppl
 from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
 from memlm.corpus import Document
 from memlm.encoder import Encoder
 from memlm.evaluate import checkpoint
@@ -26,9 +27,8 @@ from memlm.evaluate.paired import write_test_documents
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
 from memlm.evaluate.run import PolicyRun, run_policy
-from memlm.interpolation import SERVED_DEFAULT, SERVED_GRID
 from memlm.knnlm import KnnParams
-from memlm.policy import Policy, make_policy
+from memlm.knnlm.policy import Policy, make_policy
 
 
 def _plan(

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from memlm.calibrator.constant import ppl, token_logprobs, tune
 from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid
@@ -17,7 +18,6 @@ from memlm.evaluate.markdown import extra_plots, sections
 from memlm.evaluate.paired import KEY_STRIDE, PairedScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
 from memlm.evaluate.run import PolicyRun
-from memlm.interpolation import ppl, token_logprobs, tune
 from memlm.knnlm import KnnParams, has_neighbours
 
 
@@ -201,8 +201,8 @@ def _calibrated_test(
 def _evidence_test(run: PolicyRun, params: KnnParams) -> tuple[np.ndarray, dict[str, Any]]:
     """Test log-probabilities with the evidence interpolation fitted day by day on dev
     (memlm.calibrator.evidence.stream), at the k tuned on dev."""
+    from memlm.calibrator.constant import SERVED_GRID
     from memlm.calibrator.evidence import stream
-    from memlm.interpolation import SERVED_GRID
 
     temps = tuple(sorted({*SERVED_GRID.temperatures, params.temperature}))
     lp, lam, days = stream(run.dev, run.test, params.k, temps)

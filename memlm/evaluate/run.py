@@ -11,7 +11,15 @@ from pathlib import Path
 
 import numpy as np
 
+from memlm.calibrator.constant import (
+    MIN_TUNE_TOKENS,
+    SERVED_DEFAULT,
+    SERVED_GRID,
+    TuneGrid,
+    choose_constant,
+)
 from memlm.calibrator.evidence import PRIOR, EvidenceModel, fit_best, views
+from memlm.calibrator.lexical import LexicalStats
 from memlm.corpus import Document
 from memlm.datastore import Datastore
 from memlm.encoder import TokenOutputs, WindowConfig
@@ -22,16 +30,8 @@ from memlm.evaluate.forgetting import Rescore
 from memlm.evaluate.plan import DayPlan, day_number
 from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.index import IndexParams, MemoryIndex, build_index, prune
-from memlm.interpolation import (
-    MIN_TUNE_TOKENS,
-    SERVED_DEFAULT,
-    SERVED_GRID,
-    TuneGrid,
-    choose_constant,
-)
 from memlm.knnlm import KnnParams
-from memlm.lexical import LexicalStats
-from memlm.policy import Policy, TokenScores, token_scores
+from memlm.knnlm.policy import Policy, TokenScores, token_scores
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class TrimeSpec:
     taus: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 
     def columns(self, o: TokenOutputs, window: WindowConfig) -> np.ndarray:
-        from memlm.trime_memory import cached_doc_logprobs
+        from memlm.knnlm.trime import cached_doc_logprobs
 
         if len(o) == 0:
             return np.zeros((0, len(self.taus)))

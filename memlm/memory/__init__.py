@@ -1,4 +1,4 @@
-"""The vector memory behind one small interface (DESIGN.md, "Memory interface").
+"""The vector memory behind one small interface (memlm.memory.base; docs/architecture.md).
 
 ``open_memory`` picks the backend from ``MEMLM_MEMORY_URL``: the embedded ``faiss`` files
 (default) or a Milvus collection. Nothing heavy is imported until a backend is opened.

@@ -17,8 +17,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from memlm.db.models import DOCUMENT_STATUSES, DayStat, Document, IndexBuild
-from service.dashboard.schemas import (
+from memlm.api.dashboard import (
     BuildRow,
     DayPoint,
     Failed,
@@ -28,6 +27,7 @@ from service.dashboard.schemas import (
     Throughput,
     ThroughputPoint,
 )
+from memlm.db.models import DOCUMENT_STATUSES, DayStat, Document, IndexBuild
 
 BUILDS_SHOWN = 50
 FAILED_SHOWN = 50

@@ -21,6 +21,8 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 
+from memlm.api.dashboard import DashboardData, HeldOut
+from memlm.calibrator.heldout_curves import HeldOutCurves
 from service.dashboard import history
 from service.dashboard.auth import (
     clear_session,
@@ -29,8 +31,6 @@ from service.dashboard.auth import (
     same_origin,
     set_session,
 )
-from service.dashboard.heldout import HeldOutCurves
-from service.dashboard.schemas import DashboardData, HeldOut
 from service.deps import Credentials, State
 from service.errors import error_responses
 from service.state import AppState

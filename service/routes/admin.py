@@ -8,12 +8,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, status
 from starlette.concurrency import run_in_threadpool
 
-from memlm.db.models import IndexBuild
-from memlm.db.repositories import BuildRepository, DocumentRepository, PolicyRepository
-from service.deps import AdminAuth, DbSession, EngineDep, RowId, State, after_commit
-from service.errors import error_responses
-from service.routes.documents import document_out
-from service.schemas import (
+from memlm.api import (
     BuildOut,
     DocumentOut,
     PolicyIn,
@@ -22,6 +17,11 @@ from service.schemas import (
     StatsResponse,
     policy_params,
 )
+from memlm.db.models import IndexBuild
+from memlm.db.repositories import BuildRepository, DocumentRepository, PolicyRepository
+from service.deps import AdminAuth, DbSession, EngineDep, RowId, State, after_commit
+from service.errors import error_responses
+from service.routes.documents import document_out
 from service.stats import policy_out, read_db, summarise
 
 log = logging.getLogger(__name__)

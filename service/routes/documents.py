@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, status
 
+from memlm.api import AcceptedDocument, DocumentOut, IngestRequest, IngestResponse
 from memlm.db.models import Document
 from memlm.db.repositories import DocumentRepository, NewDocument
 from service.deps import DbSession, IngestAuth, RowId, State
 from service.errors import PayloadTooLarge, error_responses
-from service.schemas import AcceptedDocument, DocumentOut, IngestRequest, IngestResponse
 
 router = APIRouter(tags=["documents"])
 

@@ -6,7 +6,7 @@ cost: reading the context plus the ``max_tokens`` steps it may take (reserved,
 and long generations cannot crowd the model thread past the budget. The steps follow as
 jobs of ``MEMLM_GENERATE_CHUNK_TOKENS`` tokens each, queued as parts of the admitted
 request, so /predict and /score get the model thread between them. Each call owns its
-:class:`memlm.generate.Generation` (cache, random generator).
+:class:`memlm.engine.generation.Generation` (cache, random generator).
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ from fastapi.responses import StreamingResponse
 from fastapi.sse import format_sse_event
 from starlette.concurrency import run_in_threadpool
 
-from memlm.db.errors import DomainError
-from memlm.generate import GenerateConfig, GeneratedToken
-from service.deps import EngineDep, ReadAccess, State
-from service.errors import InvalidRequest, PayloadTooLarge, error_body, error_responses
-from service.executor import Reservation
-from service.generate_schemas import (
+from memlm.api import (
     GenerateDone,
     GeneratedTokenOut,
     GenerateRequest,
     GenerateResponse,
+    NeighbourOut,
 )
+from memlm.db.errors import DomainError
+from memlm.engine.generation import GenerateConfig, GeneratedToken
+from service.deps import EngineDep, ReadAccess, State
+from service.errors import InvalidRequest, PayloadTooLarge, error_body, error_responses
+from service.executor import Reservation
 from service.provenance import check_neighbour_access, provenance
 from service.routes.inference import off_loop_if_long, request_cost
-from service.schemas import NeighbourOut
 from service.state import AppState
 
 log = logging.getLogger(__name__)

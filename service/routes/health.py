@@ -6,9 +6,9 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from memlm.api import Health
 from service.deps import State
 from service.errors import error_responses
-from service.schemas import Health
 
 router = APIRouter(tags=["health"])
 

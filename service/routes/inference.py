@@ -11,14 +11,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from memlm.db.repositories import PolicyRepository
-from memlm.engine import policy_params
-from memlm.knnlm import MemoryOptions
-from memlm.settings import Settings
-from service.deps import EngineDep, ReadAccess, ReadAuth, State
-from service.errors import InvalidRequest, PayloadTooLarge, error_responses
-from service.provenance import check_neighbour_access, provenance
-from service.schemas import (
+from memlm.api import (
     MemoryOptionsIn,
     MemoryOut,
     NeighbourOut,
@@ -29,6 +22,13 @@ from service.schemas import (
     Suggestion,
     WordSuggestionOut,
 )
+from memlm.db.repositories import PolicyRepository
+from memlm.engine import policy_params
+from memlm.knnlm import MemoryOptions
+from memlm.settings import Settings
+from service.deps import EngineDep, ReadAccess, ReadAuth, State
+from service.errors import InvalidRequest, PayloadTooLarge, error_responses
+from service.provenance import check_neighbour_access, provenance
 from service.state import AppState
 
 router = APIRouter(tags=["inference"])

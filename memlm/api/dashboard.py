@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from service.schemas import StatsResponse
+from memlm.api.admin import StatsResponse
 
 
 class DayPoint(BaseModel):

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlm.train.data import Segments
-from memlm.train.transformer_train.checkpoints import (
+from memlm.research.data import Segments
+from memlm.research.transformer_train.checkpoints import (
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
@@ -22,10 +22,15 @@ from memlm.train.transformer_train.checkpoints import (
     save_final,
     saved_checkpoints,
 )
-from memlm.train.transformer_train.model import set_threads
-from memlm.train.transformer_train.objective import TrainConfig, batch_loss, batch_plan, lr_factor
+from memlm.research.transformer_train.model import set_threads
+from memlm.research.transformer_train.objective import (
+    TrainConfig,
+    batch_loss,
+    batch_plan,
+    lr_factor,
+)
 
-log = logging.getLogger("memlm.train.transformer_train")
+log = logging.getLogger("memlm.research.transformer_train")
 
 
 @dataclass

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlm.train.bm25_batching import bm25_neighbours, greedy_chain, random_batches
-from memlm.train.data import Segments, consecutive_batches
-from memlm.train.transformer_train.model import forward_with_keys
-from memlm.train.trime import MemoryKind, lm_token_loss, memory_mask, trime_token_loss
+from memlm.research.bm25_batching import bm25_neighbours, greedy_chain, random_batches
+from memlm.research.data import Segments, consecutive_batches
+from memlm.research.transformer_train.model import forward_with_keys
+from memlm.research.trime import MemoryKind, lm_token_loss, memory_mask, trime_token_loss
 
 Objective = Literal["vanilla", "trime", "trime-long", "trime-ext"]
 OBJECTIVES: tuple[Objective, ...] = ("vanilla", "trime", "trime-long", "trime-ext")

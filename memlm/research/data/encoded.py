@@ -1,6 +1,6 @@
 """Encoded corpora: documents as one flat int32 array with offsets, cached as .npy.
 
-Every document is encoded as ``[B, t_1, ..., t_n, B]`` (see :mod:`memlm.train.data`).
+Every document is encoded as ``[B, t_1, ..., t_n, B]`` (see :mod:`memlm.research.data`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from memlm.corpus import Document
-from memlm.train.data.cache import atomic_save_npy, atomic_write_text
-from memlm.train.data.tokenizers import Tokenizer
+from memlm.research.data.cache import atomic_save_npy, atomic_write_text
+from memlm.research.data.tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ scores the next word (``y_t = softmax(W* h*_t + b)``, Eq. 5):
 The memory (last ``L`` outputs, or last ``N-2`` for the N-gram RNN) is carried across
 truncated-BPTT windows like the LSTM state and only holds positions of the current
 document: an entry ``d`` steps back is visible iff ``d <= pos_t`` (``pos_t`` = number of
-earlier steps of the document).  Tokenisation stays outside (see :mod:`memlm.train.data`).
+earlier steps of the document).  Tokenisation stays outside (see :mod:`memlm.research.data`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from memlm.train.data import positions_in_document
+from memlm.research.data import positions_in_document
 
 ARCHS = ("lstm", "attention", "kv", "kvp", "ngram")
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlm.train.transformer_train.objective import TrainConfig
+from memlm.research.transformer_train.objective import TrainConfig
 
 STATE_FILE = "trainer_state.pt"
 # Fields that do not change the weights a run ends with: a run may resume with other values.

@@ -2,7 +2,7 @@
 
 A batch holds B segments of L tokens, flattened to N = B * L positions. Every position
 i has an LM output f(c_i) (through the logits), a memory key g(c_i) (the input of the
-last MLP, DESIGN.md), a target x_{i+1}, a document and a position in that document (a
+last MLP, memlm.encoder.keys), a target x_{i+1}, a document and a position in that document (a
 training row may end one document and start the next). The training memory of position
 i is a set of other positions j of the same batch, given by a boolean (N, N) visibility
 matrix:

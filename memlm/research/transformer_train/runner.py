@@ -6,17 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memlm.train.data import HFTokenizerAdapter, make_segments, stream_segments
-from memlm.train.transformer_train.checkpoints import latest_checkpoint
-from memlm.train.transformer_train.evaluation import encode_segments, memory_logprobs, perplexity
-from memlm.train.transformer_train.loop import train
-from memlm.train.transformer_train.model import (
+from memlm.research.data import HFTokenizerAdapter, make_segments, stream_segments
+from memlm.research.transformer_train.checkpoints import latest_checkpoint
+from memlm.research.transformer_train.evaluation import encode_segments, memory_logprobs, perplexity
+from memlm.research.transformer_train.loop import train
+from memlm.research.transformer_train.model import (
     ModelConfig,
     build_model,
     parameter_counts,
     set_threads,
 )
-from memlm.train.transformer_train.objective import MEMORY_OF, TrainConfig, segment_texts
+from memlm.research.transformer_train.objective import MEMORY_OF, TrainConfig, segment_texts
 
 
 def read_text_documents(path: Path) -> list[Any]:
@@ -52,7 +52,7 @@ def _opt(extra: dict[str, str], key: str, default: Any) -> Any:
 
 
 def run(req: Any) -> dict[str, Any]:
-    """Runner for ``memlm train --arch transformer`` (see :class:`memlm.train.TrainRequest`).
+    """Runner for ``memlm train --arch transformer`` (see :class:`memlm.research.TrainRequest`).
 
     ``--objective`` vanilla | trime | trime-long | trime-ext; ``--bptt`` is the segment
     length L and ``--batch-size`` the segments per batch B (every batch holds B full rows
@@ -64,7 +64,7 @@ def run(req: Any) -> dict[str, Any]:
     (evaluation).
     """
     from memlm.corpus import load_corpus
-    from memlm.train.data import encode_corpus, load_encoded_splits, split_documents
+    from memlm.research.data import encode_corpus, load_encoded_splits, split_documents
 
     ex = dict(req.extra)
     set_threads(req.threads)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memlm.corpus import Document
-from memlm.train.data.cache import atomic_write_text, default_cache_dir
+from memlm.research.data.cache import atomic_write_text, default_cache_dir
 
 
 class Tokenizer(Protocol):

@@ -1,4 +1,4 @@
-"""Request and response bodies of ``POST /generate`` (service/schemas.py holds the rest)."""
+"""Bodies of ``POST /generate`` (and of its server-sent events)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.schemas import JsonInt, NeighbourOut, Strict, whole_number
+from memlm.api.common import JsonInt, Strict, whole_number
+from memlm.api.inference import NeighbourOut
 
 
 class GenerateRequest(Strict):

@@ -2,7 +2,7 @@
 
 Adam (lr 0.001), mini-batches of 64 rows, gradient-norm clipping at 5, truncated BPTT of
 20 steps, the recurrent state (and the attention memory) zeroed where a document starts;
-initialisation is in :class:`memlm.train.lstm_models.ShortSpanLM`.  ``run`` is the
+initialisation is in :class:`memlm.research.lstm_models.ShortSpanLM`.  ``run`` is the
 ``memlm train --arch lstm|attention|kv|kvp|ngram`` runner.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memlm.train import TrainRequest
-from memlm.train.data import EncodedCorpus, WordTokenizer, bptt_batches, load_encoded_splits
-from memlm.train.lstm_models import (
+from memlm.research import TrainRequest
+from memlm.research.data import EncodedCorpus, WordTokenizer, bptt_batches, load_encoded_splits
+from memlm.research.lstm_models import (
     ShortSpanConfig,
     ShortSpanLM,
     count_parameters,

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig
-from memlm.train.data import WordTokenizer, word_spans
-from memlm.train.lstm_models import ShortSpanLM
-from memlm.train.lstm_train import load_checkpoint
+from memlm.research.data import WordTokenizer, word_spans
+from memlm.research.lstm_models import ShortSpanLM
+from memlm.research.lstm_train import load_checkpoint
 
 
 class ShortSpanEncoder(Encoder):

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from memlm.corpus import Document
-from memlm.train.data.cache import default_cache_dir
-from memlm.train.data.encoded import EncodedCorpus, encode_corpus
-from memlm.train.data.tokenizers import SubwordTokenizer, Tokenizer, WordTokenizer
+from memlm.research.data.cache import default_cache_dir
+from memlm.research.data.encoded import EncodedCorpus, encode_corpus
+from memlm.research.data.tokenizers import SubwordTokenizer, Tokenizer, WordTokenizer
 
 
 @dataclass(frozen=True)

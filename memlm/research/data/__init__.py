@@ -20,12 +20,12 @@ Two layouts are offered:
   :func:`stream_segments` cuts the stream of documents into full rows (training), and
   :func:`consecutive_batches` groups consecutive rows for TRIME's long-term memory.
 
-The package, one concern a module: :mod:`~memlm.train.data.splits` (by document),
-:mod:`~memlm.train.data.tokenizers`, :mod:`~memlm.train.data.encoded` (flat arrays and
-their cache, :mod:`~memlm.train.data.cache`) and :mod:`~memlm.train.data.batches`.
+The package, one concern a module: :mod:`~memlm.research.data.splits` (by document),
+:mod:`~memlm.research.data.tokenizers`, :mod:`~memlm.research.data.encoded` (flat arrays and
+their cache, :mod:`~memlm.research.data.cache`) and :mod:`~memlm.research.data.batches`.
 """
 
-from memlm.train.data.batches import (
+from memlm.research.data.batches import (
     BPTTBatch,
     Segments,
     bptt_batches,
@@ -35,10 +35,10 @@ from memlm.train.data.batches import (
     positions_in_document,
     stream_segments,
 )
-from memlm.train.data.cache import default_cache_dir
-from memlm.train.data.encoded import EncodedCorpus, encode_corpus
-from memlm.train.data.splits import EncodedSplits, Splits, load_encoded_splits, split_documents
-from memlm.train.data.tokenizers import (
+from memlm.research.data.cache import default_cache_dir
+from memlm.research.data.encoded import EncodedCorpus, encode_corpus
+from memlm.research.data.splits import EncodedSplits, Splits, load_encoded_splits, split_documents
+from memlm.research.data.tokenizers import (
     HFTokenizerAdapter,
     SubwordTokenizer,
     Tokenizer,

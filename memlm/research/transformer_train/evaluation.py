@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlm.train.data import Segments
-from memlm.train.transformer_train.model import forward_with_keys
+from memlm.research.data import Segments
+from memlm.research.transformer_train.model import forward_with_keys
 
 
 @dataclass
@@ -71,7 +71,7 @@ def memory_logprobs(
     memory (earlier tokens of the same segment); S > 0: plus the S previous segments of
     the same document. ``extra_*`` (N, K): retrieved external entries joining Eq. 6.
     """
-    from memlm.trime_memory import document_gold_logprobs, trime_gold_logprob
+    from memlm.knnlm.trime import document_gold_logprobs, trime_gold_logprob
 
     if long_segments is None:
         k = 0 if extra_scores is None else extra_scores.shape[1]

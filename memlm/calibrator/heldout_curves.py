@@ -1,6 +1,6 @@
 """LM-only against augmented perplexity of the held-out tokens, per stream day.
 
-The worker records held-out tokens (``memlm.heldout``): each one's log p_LM(gold) and
+The worker records held-out tokens (``memlm.calibrator.heldout``): each one's log p_LM(gold) and
 the neighbours found in the memory served when its document arrived, before the
 document's own entries joined it. Those waiting for the next build are files under
 ``calibrator-pending/``; merged ones live in ``calibrator-train.npz`` (the newest
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from memlm.api.dashboard import HeldOut, HeldOutDay
 from memlm.calibrator import TOP_N, gold_knn_logprob, token_features
-from memlm.heldout import FIELDS, OPTIONAL_FIELDS
+from memlm.calibrator.heldout import FIELDS, OPTIONAL_FIELDS
 from memlm.knnlm import has_neighbours, interpolate
-from service.dashboard.schemas import HeldOut, HeldOutDay
 
 EPOCH = dt.date(1970, 1, 1)  # the engine's day numbers count from here (workers.engine)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from memlm.train.data.encoded import EncodedCorpus
+from memlm.research.data.encoded import EncodedCorpus
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ p_kNN(y) is proportional to the sum of exp(-d_i / T) over the retrieved neighbou
 value is y (d_i squared L2, as FAISS returns it), and
 p(y) = (1 - lambda) p_LM(y) + lambda p_kNN(y).
 Rows without any neighbour (an empty memory) fall back to the plain LM.
-TRIME's local / long-term memory (memlm.trime_memory) is chosen per request with
+TRIME's local / long-term memory (memlm.knnlm.trime) is chosen per request with
 :class:`MemoryOptions`.
 """
 

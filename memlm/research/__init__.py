@@ -1,4 +1,4 @@
-"""Training: the shared data pipeline (:mod:`memlm.train.data`) and the LMs trained on it.
+"""Training: the shared data pipeline (:mod:`memlm.research.data`) and the LMs trained on it.
 
 :class:`TrainRequest` is what ``memlm train`` hands to an architecture's runner (see
 ``RUNNERS`` in :mod:`memlm.cli.train_cmd`); it is kept here, free of heavy imports, so that

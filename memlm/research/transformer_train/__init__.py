@@ -21,7 +21,7 @@ The package, one concern a module: :mod:`~.model` (the Llama and its keys),
 :mod:`~.runner` (``memlm train --arch transformer``).
 """
 
-from memlm.train.transformer_train.checkpoints import (
+from memlm.research.transformer_train.checkpoints import (
     OPERATIONAL_FIELDS,
     STATE_FILE,
     latest_checkpoint,
@@ -29,14 +29,14 @@ from memlm.train.transformer_train.checkpoints import (
     save_checkpoint,
     saved_checkpoints,
 )
-from memlm.train.transformer_train.evaluation import (
+from memlm.research.transformer_train.evaluation import (
     SegmentOutputs,
     encode_segments,
     memory_logprobs,
     perplexity,
 )
-from memlm.train.transformer_train.loop import TrainResult, train
-from memlm.train.transformer_train.model import (
+from memlm.research.transformer_train.loop import TrainResult, train
+from memlm.research.transformer_train.model import (
     ModelConfig,
     build_model,
     capture_keys,
@@ -44,7 +44,7 @@ from memlm.train.transformer_train.model import (
     parameter_counts,
     set_threads,
 )
-from memlm.train.transformer_train.objective import (
+from memlm.research.transformer_train.objective import (
     MEMORY_OF,
     OBJECTIVES,
     Objective,
@@ -55,7 +55,7 @@ from memlm.train.transformer_train.objective import (
     lr_factor,
     segment_texts,
 )
-from memlm.train.transformer_train.runner import HFTokenizerAdapter, read_text_documents, run
+from memlm.research.transformer_train.runner import HFTokenizerAdapter, read_text_documents, run
 
 __all__ = [
     "MEMORY_OF",
