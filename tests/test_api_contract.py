@@ -7,10 +7,8 @@ checked exactly in-process.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from memlm.api import SPACE
 from memlm.engine.generation import GenerateConfig, choose
 from memlm.engine.score import perplexity
 from memlm.knnlm.policy import POLICY_PARAMS
+from tests.processes import ROOT, free_port, memlm_env
 from tests.service_helpers import ADMIN, INGEST, doc
 from tests.test_api import Env
 from tests.test_api import env as env  # the fixture
@@ -63,35 +62,26 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "3xx", "401", "403",
 MAX_EXAMPLES = 30
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def live_server(tmp_path: Path, pg_url: str) -> Iterator[str]:
     """``memlm serve`` in production mode on PostgreSQL with the tiny random Llama."""
-    port = _port()
-    env = {
-        **os.environ,
+    port = free_port()
+    env = memlm_env(
         **TOKENS,
         **LIMITS,
-        "MEMLM_ENV": "production",
-        "MEMLM_DATABASE_URL": pg_url,
-        "MEMLM_DATA_DIR": str(tmp_path / "data"),
-        "MEMLM_MODEL": "tiny-llama",
-        "MEMLM_THREADS": "1",
-        "MEMLM_DEVICE": "cpu",
-        "MEMLM_PRECISION": "float32",
-        "MEMLM_EMBEDDED_WORKER": "true",  # it creates the datastore the API opens
-    }
+        MEMLM_ENV="production",
+        MEMLM_DATABASE_URL=pg_url,
+        MEMLM_DATA_DIR=str(tmp_path / "data"),
+        MEMLM_DEVICE="cpu",
+        MEMLM_PRECISION="float32",
+        MEMLM_EMBEDDED_WORKER="true",  # it creates the datastore the API opens
+    )
     env.pop("MEMLM_PROTECT_READ", None)  # production's default: reads need a token
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "memlm.cli", "serve", "--port", str(port)],
         env=env,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from memlm.engine import day_number, open_engine, policy_factory
 from memlm.index import current_version, list_versions
 from memlm.settings import Settings
 from service.app import create_app, sync_index
+from tests.processes import ROOT, worker_env
 from tests.service_helpers import ADMIN, INGEST, READ, doc, make_settings
 from workers.ingest import IngestWorker
 
@@ -200,21 +200,17 @@ def test_worker_process_killed_between_append_and_commit(
                 for t in (TEXT, OTHER)
             )
         ]
-    env = {
-        **os.environ,
-        "MEMLM_ENV": "test",
-        "MEMLM_MODEL": "tiny-llama",
-        "MEMLM_DATA_DIR": str(settings.data_dir),
-        "MEMLM_DATABASE_URL": sqlite_url,
-        "MEMLM_INGEST_TOKEN": "ingest-secret-for-tests",
-        "MEMLM_ADMIN_TOKEN": "admin-secret-for-tests",
-        "MEMLM_THREADS": "1",
-        "MEMLM_CALIBRATOR_SAMPLE": "1.0",  # both documents are recorded for the calibrator
-    }
+    env = worker_env(
+        settings,
+        MEMLM_DATABASE_URL=sqlite_url,
+        MEMLM_POLICY=None,  # the settings' own policy
+        MEMLM_WORKER_POLL_SECONDS=None,
+        MEMLM_CALIBRATOR_SAMPLE="1.0",  # both documents are recorded for the calibrator
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "memlm.cli", "worker", "--crash-at", "after_append"],
         env=env,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,

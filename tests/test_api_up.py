@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -14,26 +13,19 @@ from pathlib import Path
 
 import httpx
 
+from tests.processes import ROOT, free_port, memlm_env
+
 ADMIN = {"Authorization": "Bearer change-me"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
-    port = _port()
-    env = {
-        **os.environ,
-        "MEMLM_DATA_DIR": str(tmp_path / "data"),
-        "MEMLM_MODEL": "tiny-llama",
-        "MEMLM_THREADS": "1",
-        "MEMLM_INDEX_POLL_SECONDS": "0.5",
-        "MEMLM_WORKER_POLL_SECONDS": "0.2",
-    }
-    env.pop("MEMLM_DATABASE_URL", None)
+    port = free_port()
+    env = memlm_env(
+        MEMLM_DATA_DIR=str(tmp_path / "data"),
+        MEMLM_INDEX_POLL_SECONDS="0.5",
+        MEMLM_WORKER_POLL_SECONDS="0.2",
+        MEMLM_DATABASE_URL=None,  # the embedded SQLite of the data directory
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -49,7 +41,7 @@ def test_up_demo_serves_neighbours_from_a_real_article(tmp_path: Path) -> None:
             str(port),
         ],
         env=env,
-        cwd=Path(__file__).parents[1],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

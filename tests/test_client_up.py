@@ -4,9 +4,7 @@ Llama): ingest, wait, predict, generate (whole and streamed), stats, rebuild, fo
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,33 +13,24 @@ from pathlib import Path
 import httpx
 
 from memlm.client import Client, GeneratedTokenOut, NotFound
+from tests.processes import ROOT, free_port, memlm_env
 
 TOKEN = "change-me"  # the development default of `memlm up`
-ROOT = Path(__file__).parents[1]
 TEXT = (
     "The central bank of Ireland raised its key interest rate on Tuesday, citing "
     "stronger growth in Dublin and a tight labour market across the country."
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_client_and_cli_against_memlm_up(tmp_path: Path) -> None:
-    port = _port()
-    env = {
-        **os.environ,
-        "MEMLM_DATA_DIR": str(tmp_path / "data"),
-        "MEMLM_MODEL": "tiny-llama",
-        "MEMLM_THREADS": "1",
-        "MEMLM_INDEX_POLL_SECONDS": "0.5",
-        "MEMLM_WORKER_POLL_SECONDS": "0.2",
-    }
-    env.pop("MEMLM_DATABASE_URL", None)
-    env.pop("MEMLM_ENV", None)
+    port = free_port()
+    env = memlm_env(
+        MEMLM_DATA_DIR=str(tmp_path / "data"),
+        MEMLM_INDEX_POLL_SECONDS="0.5",
+        MEMLM_WORKER_POLL_SECONDS="0.2",
+        MEMLM_DATABASE_URL=None,  # the embedded SQLite of the data directory
+        MEMLM_ENV=None,
+    )
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed in the finally
     proc = subprocess.Popen(
         [sys.executable, "-m", "memlm.cli", "up", "--port", str(port)],

@@ -6,10 +6,8 @@ between its Milvus insert and its database commit."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,41 +19,17 @@ from sqlalchemy import select
 from memlm.db.models import DayStat, Document
 from memlm.db.repositories import DocumentRepository, NewDocument
 from memlm.memory import open_milvus
+from tests.processes import start_worker, stop, wait_all_done
 from tests.service_helpers import make_settings
 from workers.liveness import pg_worker_alive
 
 pytestmark = [pytest.mark.postgres, pytest.mark.milvus]
 
-ROOT = Path(__file__).parents[1]
 TEXTS = [
     f"Report {i}: the harbour authority in Port {i} announced {i + 3} new ferry routes "
     f"for the summer, and the council said the {i}th pier would reopen in May."
     for i in range(10)
 ]
-
-
-def _worker(settings: Any, memory_url: str, *extra: str) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "MEMLM_ENV": "test",
-        "MEMLM_MODEL": "tiny-llama",
-        "MEMLM_DATA_DIR": str(settings.data_dir),
-        "MEMLM_DATABASE_URL": settings.db_url,
-        "MEMLM_MEMORY_URL": memory_url,
-        "MEMLM_INGEST_TOKEN": "ingest-secret-for-tests",
-        "MEMLM_ADMIN_TOKEN": "admin-secret-for-tests",
-        "MEMLM_THREADS": "1",
-        "MEMLM_WORKER_POLL_SECONDS": "0.2",
-        "MEMLM_POLICY": "fullmem",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "memlm.cli", "worker", *extra],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def _name(proc: subprocess.Popen[str]) -> str:
@@ -74,26 +48,6 @@ def _wait_live(db_url: str, procs: list[subprocess.Popen[str]], timeout: float) 
         time.sleep(0.3)
     outs = [p.communicate(timeout=5)[0][-2000:] if p.poll() is not None else "" for p in procs]
     raise AssertionError(f"workers did not start in {timeout} s: {outs}")
-
-
-def _wait_all_done(sessions: Any, ids: list[int], procs: list[Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    statuses: set[str] = set()
-    while time.monotonic() < deadline:
-        with sessions() as s:
-            statuses = {s.get(Document, i).status for i in ids}
-        if statuses == {"done"}:
-            return
-        time.sleep(0.3)
-    outs = [p.communicate(timeout=5)[0][-2000:] if p.poll() is not None else "" for p in procs]
-    raise AssertionError(f"documents not done in {timeout} s: {statuses}; {outs}")
-
-
-def _stop(proc: subprocess.Popen[str]) -> str:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    return out
 
 
 def _entries_by_document(url: str) -> dict[int, list[int]]:
@@ -122,8 +76,9 @@ def test_workers_on_separate_machines_share_postgres_and_milvus(
     sessions = make_sessions(pg_url)
     # the killed worker dies (SIGKILL) right after its first document's Milvus insert,
     # before its commit, holding a claim that the other worker must take over
-    first = _worker(a, milvus_url, *(["--crash-at", "after_append"] if crash else []))
-    second = _worker(b, milvus_url)
+    crash_at = ["--crash-at", "after_append"] if crash else []
+    first = start_worker(a, *crash_at, MEMLM_MEMORY_URL=milvus_url)
+    second = start_worker(b, MEMLM_MEMORY_URL=milvus_url)
     procs = [first, second]
     try:
         _wait_live(pg_url, procs, timeout=180)  # both poll before any work arrives
@@ -134,9 +89,9 @@ def test_workers_on_separate_machines_share_postgres_and_milvus(
                     NewDocument(text=t, published_at=dt.date(2017, 2, 7), source="s") for t in TEXTS
                 )
             ]
-        _wait_all_done(sessions, ids, procs, timeout=300)
+        wait_all_done(sessions, ids, procs, timeout=300)
     finally:
-        outs = [_stop(p) for p in procs]
+        outs = [stop(p) for p in procs]
     if crash:
         assert first.returncode == -signal.SIGKILL, outs[0][-2000:]
     else:
@@ -198,7 +153,7 @@ def test_restart_deletes_entries_of_uncommitted_documents(
             )
     finally:
         mem.close()
-    proc = _worker(settings, milvus_url)
+    proc = start_worker(settings, MEMLM_MEMORY_URL=milvus_url)
     try:
         _wait_live(pg_url, [proc], timeout=180)
         deadline = time.monotonic() + 120
@@ -208,7 +163,7 @@ def test_restart_deletes_entries_of_uncommitted_documents(
                     break
             time.sleep(0.3)
     finally:
-        out = _stop(proc)
+        out = stop(proc)
     assert "deleted 5 Milvus entries of uncommitted documents" in out, out[-3000:]
     held = _entries_by_document(milvus_url)
     with sessions() as s:
