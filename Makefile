@@ -13,8 +13,10 @@ eval-quick:
 	$(PY) -m memlm.cli eval --start 2017-02-13 --days 2 --max-docs-per-day 5 --out runs/quick
 
 # The same checks locally and in CI (.ci/run): format, lint, types, layering, then tests.
+# Three test processes: most slow tests wait on servers and subprocesses, not on the two
+# cores (the parallel run shares one Milvus server: tests/milvus_fixtures.py).
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3
 
 lint:
 	$(PY) -m ruff format --check .

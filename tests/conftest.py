@@ -7,6 +7,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
@@ -22,7 +23,26 @@ PG_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 os.environ.setdefault("MEMLM_PRECISION", "float32")
 
 # the real Milvus server (session-scoped; skips with its reason where it cannot start)
-from tests.milvus_fixtures import milvus_server, milvus_url  # noqa: E402,F401
+from tests.milvus_fixtures import (  # noqa: E402
+    milvus_server,  # noqa: F401
+    milvus_url,  # noqa: F401
+    start_shared_server,
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a parallel run (make test: pytest -n) shares one Milvus server: a second embedded
+    # server cannot start on one machine (its etcd port is fixed)
+    config.stash[_SHARED_MILVUS] = start_shared_server(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = config.stash.get(_SHARED_MILVUS, None)
+    if server is not None:
+        server.stop()
+
+
+_SHARED_MILVUS = pytest.StashKey[Any]()
 
 
 @pytest.fixture(scope="session")

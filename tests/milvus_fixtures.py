@@ -18,9 +18,35 @@ import pytest
 
 from memlm.memory.embedded import EmbeddedMilvus, MilvusUnavailable, start_embedded
 
+# Under pytest-xdist the workers share one server, started by the controller
+# (start_shared_server, from conftest's pytest_configure) and named to them through
+# MEMLM_TEST_MILVUS; where it could not start, its reason travels the same way.
+SKIP_REASON_ENV = "MEMLM_TEST_MILVUS_UNAVAILABLE"
+
+
+def start_shared_server(config: pytest.Config) -> EmbeddedMilvus | None:
+    """The controller of an xdist run starts the one server of the run (None: not the
+    controller of a parallel run, or a server was named already)."""
+    parallel = bool(getattr(config.option, "numprocesses", None))
+    if not parallel or hasattr(config, "workerinput") or os.environ.get("MEMLM_TEST_MILVUS"):
+        return None
+    import tempfile
+
+    try:
+        server = start_embedded(Path(tempfile.mkdtemp(prefix="memlm-test-milvus-")))
+    except MilvusUnavailable as exc:
+        os.environ[SKIP_REASON_ENV] = str(exc)
+        return None
+    os.environ["MEMLM_TEST_MILVUS"] = f"{server.host}:{server.port}"
+    print(f"\n[milvus] the workers share a server on port {server.port}", file=sys.stderr)
+    return server
+
 
 @pytest.fixture(scope="session")
 def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMilvus]:
+    unavailable = os.environ.get(SKIP_REASON_ENV)
+    if unavailable:
+        pytest.skip(f"the Milvus server cannot start here: {unavailable}")
     given = os.environ.get("MEMLM_TEST_MILVUS")  # host:port of a server already running
     if given:
         host, _, port = given.rpartition(":")
