@@ -149,7 +149,7 @@ def main() -> None:
                 eng.process_document(i, d.text, 1, policy="monim").tokens_stored
                 for i, d in enumerate(timed)
             )
-            eng.truncate_datastore(mem_entries[p])  # the next repetition sees the same memory
+            eng.memory.truncate(mem_entries[p])  # the next repetition sees the same memory
             return stored
 
         # Interleaved repetitions, best of each: other jobs on the machine come and go, and

@@ -104,14 +104,14 @@ def main() -> None:
     with engine.exclusive():
         for start in range(0, n, 50_000):
             m = min(50_000, n - start)
-            engine.datastore.append(
+            engine.memory.datastore.append(
                 rng.standard_normal((m, dim)).astype(np.float16),
                 rng.integers(0, 1000, m).astype(np.int32),
                 np.zeros(m, np.int64),
                 np.arange(start, start + m, dtype=np.int64),
                 np.full(m, 17000, np.int32),
             )
-        engine.index.refresh()
+        engine.memory.index.refresh()
     with sessions.begin() as s:  # the placeholder owning the random entries
         s.add(
             Document(

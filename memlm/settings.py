@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     # milvus://host:port/collection = a Milvus server (memlm.memory.url; docs/service.md).
     memory_url: str | None = None
 
+    # How an ingest worker tells that another one lives (a live worker's claims are left
+    # alone): "file", a lock file under data_dir/workers (workers on one data directory);
+    # "database", a PostgreSQL advisory lock (workers that share only the database and a
+    # memory server). auto: "database" with PostgreSQL and a memory outside the data
+    # directory (memory_url set), else "file" (``liveness``).
+    worker_liveness: Literal["auto", "file", "database"] = "auto"
+
     # --- model and memory -----------------------------------------------------------------
     model: str = "smollm2-135m"
     policy: str = "monim"
@@ -192,6 +199,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _liveness_needs_postgres(self) -> Settings:
+        if self.worker_liveness == "database" and not self.db_url.startswith("postgresql"):
+            raise ValueError(
+                "MEMLM_WORKER_LIVENESS=database needs a PostgreSQL MEMLM_DATABASE_URL "
+                "(workers hold an advisory lock there)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _calibrator_bounds(self) -> Settings:
         if self.calibrator_max_tokens < self.calibrator_min_tokens:
             raise ValueError(
@@ -241,6 +257,16 @@ class Settings(BaseSettings):
     @property
     def datastore_dir(self) -> Path:
         return self.data_dir / "memory"
+
+    @property
+    def liveness(self) -> Literal["file", "database"]:
+        """``worker_liveness`` with auto resolved (see the field)."""
+        if self.worker_liveness != "auto":
+            return self.worker_liveness
+        from memlm.memory.url import parse_memory_url
+
+        apart = parse_memory_url(self.memory_url) is not None  # no data directory to share
+        return "database" if apart and self.db_url.startswith("postgresql") else "file"
 
     @property
     def workers_dir(self) -> Path:

@@ -54,7 +54,7 @@ Ingest and admin routes need `Authorization: Bearer <token>`.
 
 
 def _engine_version(engine: EngineLike) -> str | None:
-    v = engine.stats().get("index_version")
+    v = engine.served_version
     return None if v is None else str(v)
 
 
@@ -79,12 +79,10 @@ async def sync_index(state: AppState) -> None:
         return (None if active is None else active.version), seen, stored, pending, forgetting
 
     want, seen, stored, pending, forgetting = await run_in_threadpool(read_db)
-    sync = getattr(engine, "sync", None)
-    if sync is not None:  # the worker is another process: re-read what it wrote
-        await state.executor.call(sync, wait=True)
-    hide = getattr(engine, "hide_documents", None)
-    if hide is not None and forgetting:  # forgets another API process accepted
-        await state.executor.call(partial(hide, forgetting), wait=True)
+    # the worker is another process: re-read what it wrote
+    await state.executor.call(engine.sync, wait=True)
+    if forgetting:  # forgets another API process accepted
+        await state.executor.call(partial(engine.hide_documents, forgetting), wait=True)
     if want is not None and want != state.served_version:
         await state.executor.call(engine.reload_index, wait=True)
     stats = await state.executor.call(engine.stats, wait=True)
@@ -104,7 +102,7 @@ async def sync_index(state: AppState) -> None:
 
 def _attach(state: AppState, engine: EngineLike) -> None:
     state.cached["predict_many"] = partial(predict_many, engine)
-    state.cached["span_cache"] = SpanCache(getattr(engine, "char_spans", None))
+    state.cached["span_cache"] = SpanCache(engine.char_spans)
     state.engine = engine
 
 

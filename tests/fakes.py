@@ -24,15 +24,49 @@ import contextlib
 import math
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memlm.engine import ContextFit, EngineInputError
-from memlm.engine.generation import GenerateConfig, GeneratedToken, StopText
+from memlm.engine import (
+    Committed,
+    ContextFit,
+    EngineInputError,
+    IngestResult,
+    MemoryBehind,
+    Neighbour,
+    Prediction,
+    Recovered,
+    ScoreResult,
+    Suggestion,
+)
+from memlm.engine.generation import FinishReason, GenerateConfig, GeneratedToken, StopText
+from memlm.knnlm import MemoryOptions
+from memlm.knnlm.policy import Policy
+from memlm.knnlm.words import WordSuggestion
 from memlm.locks import LockBusy
+from memlm.memory import BuildInfo, IndexParams
+
+if TYPE_CHECKING:
+    from memlm.engine import EngineLike
+
+__all__ = [
+    "VOCAB",
+    "BuildInfo",
+    "FakeCrash",
+    "FakeEngine",
+    "FakeGeneration",
+    "FakePrepared",
+    "IngestResult",
+    "Neighbour",
+    "Prediction",
+    "ScoreResult",
+    "Suggestion",
+    "WordSuggestion",
+]
 
 VOCAB = ("the", "a", "of", "and", "to", "in")
 
@@ -42,65 +76,10 @@ class FakeCrash(RuntimeError):
 
 
 @dataclass(frozen=True)
-class IngestResult:
-    tokens_seen: int
-    tokens_stored: int
-    first_entry: int
-    end_entry: int
+class FakePrepared:
+    """The fake's prepared document: its words and policy (the real one carries the
+    encoder's outputs and the policy's decision, which the fake makes at the append)."""
 
-
-@dataclass(frozen=True)
-class Suggestion:
-    token: str
-    token_id: int
-    prob: float
-    lm_prob: float
-    knn_prob: float
-    trime_prob: float | None = None
-
-
-@dataclass(frozen=True)
-class WordSuggestion:
-    word: str
-    token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]
-    prob: float
-    lm_prob: float
-    knn_prob: float
-
-
-@dataclass(frozen=True)
-class Neighbour:
-    entry_id: int
-    doc_id: int
-    position: int
-    token: str
-    token_id: int
-    distance: float
-
-
-@dataclass(frozen=True)
-class Prediction:
-    suggestions: list[Suggestion]
-    lam: float
-    neighbours: list[Neighbour]
-    words: list[WordSuggestion] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    tokens: list[str]
-    lm_logprobs: list[float]
-    logprobs: list[float]
-    lm_ppl: float
-    ppl: float
-    would_store: list[bool]
-    trime_logprobs: list[float] | None = None
-    trime_ppl: float | None = None
-
-
-@dataclass(frozen=True)
-class PreparedDocument:
     doc_id: int
     day: int
     words: list[str]
@@ -108,14 +87,10 @@ class PreparedDocument:
     char_spans: np.ndarray | None = None
 
 
-@dataclass(frozen=True)
-class BuildInfo:
-    version: int
-    entries: int
-    upto: int
-    params: dict[str, Any]
-    train_seconds: float = 0.0
-    add_seconds: float = 0.0
+def _policy_name(policy: Policy | str | None, default: str) -> str:
+    if policy is None:
+        return default
+    return policy if isinstance(policy, str) else policy.name
 
 
 def _local_memory(words: list[str], t: int) -> dict[str, int]:
@@ -143,6 +118,7 @@ class FakeEngine:
     policy: str = "monim"
     entries: list[_Entry] = field(default_factory=list)
     deleted: set[int] = field(default_factory=set)
+    hidden: set[int] = field(default_factory=set)  # hide_documents: a forget accepted
     built_version: int = 0
     served_version: int = 0
     processed: list[int] = field(default_factory=list)
@@ -156,7 +132,8 @@ class FakeEngine:
     # --- helpers --------------------------------------------------------------------------
 
     def _live(self) -> list[_Entry]:
-        return [e for e in self.entries if e.doc_id not in self.deleted]
+        gone = self.deleted | self.hidden
+        return [e for e in self.entries if e.doc_id not in gone]
 
     def _knn(self, key: str) -> dict[str, float]:
         hits = [e.value for e in self._live() if e.key == key]
@@ -168,28 +145,32 @@ class FakeEngine:
     # --- the facade -------------------------------------------------------------------------
 
     def process_document(
-        self, doc_id: int, text: str, day: int, *, policy: Any = None, crash_at: str | None = None
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        crash_at: str | None = None,
     ) -> IngestResult:
         return self.store_document(
             self.prepare_document(doc_id, text, day, policy=policy), crash_at=crash_at
         )
 
     def prepare_document(
-        self, doc_id: int, text: str, day: int, *, policy: Any = None
-    ) -> PreparedDocument:
+        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+    ) -> FakePrepared:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
             raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
         spans = np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
-        return PreparedDocument(doc_id, day, words, policy or self.policy, spans)
+        return FakePrepared(doc_id, day, words, _policy_name(policy, self.policy), spans)
 
     def char_spans(self, text: str) -> np.ndarray:
         self.span_calls.append(text)
         return np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
 
-    def store_document(
-        self, prep: PreparedDocument, *, crash_at: str | None = None
-    ) -> IngestResult:
+    def store_document(self, prep: FakePrepared, *, crash_at: str | None = None) -> IngestResult:
         with self.exclusive():
             # the policy looks at the memory as it is when the entries are appended
             memory = {(e.key, e.value) for e in self._live()}
@@ -244,7 +225,7 @@ class FakeEngine:
         top_n: int = 10,
         neighbours: int = 0,
         words: int = 0,
-        memory: Any = None,
+        memory: MemoryOptions | None = None,
     ) -> Prediction:
         toks = context.split()
         if not toks:
@@ -262,7 +243,8 @@ class FakeEngine:
             base = lm if tp is None else tp
             sugg.append(Suggestion(w, hash(w) % 1000, (1 - lam) * base + lam * kp, lm, kp, tp))
         sugg.sort(key=lambda s: (-s.prob, s.token))
-        ids = [i for i, e in enumerate(self.entries) if e.doc_id not in self.deleted]
+        gone = self.deleted | self.hidden
+        ids = [i for i, e in enumerate(self.entries) if e.doc_id not in gone]
         hits = [i for i in ids if self.entries[i].key == last][:neighbours]
         nbrs = [
             Neighbour(
@@ -279,15 +261,31 @@ class FakeEngine:
             WordSuggestion(s.token, (s.token_id,), (s.token,), s.prob, s.lm_prob, s.knn_prob)
             for s in sugg[:words]
         ]
-        return Prediction(sugg[:top_n], lam, nbrs, found)
+        return Prediction(
+            sugg[:top_n],
+            lam,
+            nbrs,
+            context_tokens=len(toks),
+            words=found,
+            index_version=self.served_version or None,
+        )
 
-    def score(self, text: str, *, policy: Any = None, memory: Any = None) -> ScoreResult:
+    def score(
+        self,
+        text: str,
+        *,
+        policy: Policy | str | None = None,
+        memory: MemoryOptions | None = None,
+    ) -> ScoreResult:
         words = text.split()
         if len(words) < 2:
             raise EngineInputError("the text must hold at least two tokens")
-        name = policy or self.policy
+        name = _policy_name(policy, self.policy)
         memory_pairs = {(e.key, e.value) for e in self._live()}
-        lm_lp, lp, store, trime = [], [], [], []
+        lm_lp: list[float] = []
+        lp: list[float] = []
+        store: list[bool] = []
+        trime: list[float] = []
         for t in range(1, len(words)):
             knn = self._knn(words[t - 1])
             lam = 0.5 if knn else 0.0
@@ -314,7 +312,15 @@ class FakeEngine:
         self.built_version += 1
         self.retrained = retrain
         n = len(self._live())
-        return BuildInfo(self.built_version, n, len(self.entries), {"kind": "flat"})
+        return BuildInfo(
+            version=self.built_version,
+            entries=n,
+            upto=len(self.entries),
+            params=IndexParams.exact(),
+            train_seconds=0.0,
+            add_seconds=0.0,
+            path=Path(f"v{self.built_version:06d}"),
+        )
 
     def reload_index(self) -> bool:
         changed = self.served_version != self.built_version
@@ -329,9 +335,35 @@ class FakeEngine:
         self.deleted.add(doc_id)
         return sum(1 for e in self.entries if e.doc_id == doc_id)
 
-    def truncate_datastore(self, n: int) -> None:
-        assert 0 <= n <= len(self.entries)
-        del self.entries[n:]
+    def rollback(self, committed: Committed, document: int | None = None) -> int:
+        """The faiss memory's rule: entries past the committed end go."""
+        with self.exclusive():
+            end = committed.end()
+            cut = max(0, len(self.entries) - end)
+            del self.entries[end:]
+            return cut
+
+    def recover(self, committed: Committed) -> Recovered:
+        with self.exclusive():
+            before, end = len(self.entries), committed.end()
+            if before < end:
+                raise MemoryBehind(
+                    f"datastore has {before} entries but committed documents own {end}"
+                )
+            self.rollback(committed)
+            return Recovered(before, len(self.entries))
+
+    def hide_documents(self, doc_ids: list[int]) -> int:
+        """Hidden at once (the fake's forget is as quick)."""
+        self.hidden.update(doc_ids)
+        return len(self.hidden)
+
+    def sync(self) -> int:
+        return 0
+
+    def reconcile_index(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Nothing versioned: nothing to reconcile."""
+        return []
 
     def stats(self) -> dict[str, Any]:
         live = len(self._live())
@@ -355,7 +387,7 @@ class FakeGeneration:
         self.index_version = engine.served_version or None
         self.new: list[str] = []
         self._text = StopText(lambda ids: "".join(f" {self.new[i]}" for i in ids), cfg.stop)
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -396,3 +428,7 @@ class FakeGeneration:
                 )
             )
         return out
+
+
+if TYPE_CHECKING:  # mypy checks the fake against the contract (make lint)
+    _contract: EngineLike[FakePrepared] = FakeEngine()

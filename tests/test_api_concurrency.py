@@ -96,7 +96,7 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
         clean = engine.encoder.encode_ids(engine.encoder.tokenize(text), engine.window)
         a, b = row["entry_start"], row["entry_end"]
         assert b - a == len(clean) == row["tokens_stored"]
-        keys = engine.datastore.keys(np.arange(a, b)).astype(np.float32)
+        keys = engine.memory.datastore.keys(np.arange(a, b)).astype(np.float32)
         if not np.allclose(keys, clean.keys.astype(np.float16), atol=2e-3, rtol=2e-3):
             wrong.append(row["id"])
     print(f"documents stored with foreign keys: {len(wrong)} of {len(rows)}")

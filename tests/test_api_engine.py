@@ -93,11 +93,11 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert env.drain() == 1
         # the answer names the version it searched, before the API's poll has seen the build
         first = c.post("/predict", json={"context": context}).json()
-        assert first["index_version"] == str(env.engine.index.version) == "1"
+        assert first["index_version"] == str(env.engine.memory.index.version) == "1"
         env.sync()
         build = c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()
         assert build["status"] == "done" and build["entries"] == n_tokens - 1
-        assert build["version"] == str(env.engine.index.version)
+        assert build["version"] == str(env.engine.memory.index.version)
 
         after = c.post("/predict", headers=READ, json={"context": context, "neighbours": 3}).json()
         assert after["lambda"] == 0.25 and after["index_version"] == build["version"]
@@ -128,7 +128,12 @@ def test_flow_with_a_tiny_random_llama(tmp_path: Path, sqlite_url: str, tiny: An
         assert short.status_code == 422 and short.json()["error"] == "invalid_input"
 
         st = c.get("/admin/stats", headers=ADMIN).json()
-        assert st["entries"] == st["tokens_stored"] == env.engine.datastore.num_live == n_tokens - 1
+        assert (
+            st["entries"]
+            == st["tokens_stored"]
+            == env.engine.memory.datastore.num_live
+            == n_tokens - 1
+        )
         assert st["bytes_on_disk"] > 0 and st["index"]["served_version"] == build["version"]
 
         assert c.delete(f"/admin/documents/{acc['id']}", headers=ADMIN).status_code == 202
@@ -162,7 +167,7 @@ def test_a_build_killed_before_its_record_is_not_served_after_restart(
 
     # An API over a read-only engine (the worker is another process) serves the record.
     engine = open_engine(settings, encoder=tiny, writer=False)
-    assert engine.index.version == 2  # what CURRENT names
+    assert engine.memory.index.version == 2  # what CURRENT names
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
     with caplog.at_level(logging.WARNING), TestClient(app) as c:
         assert c.get("/readyz").json()["index_version"] == "1"
@@ -316,7 +321,7 @@ def test_forget_leaves_no_byte_of_the_document(tmp_path: Path, sqlite_url: str, 
     )
     for env in _env(settings, tiny):
         c = env.client
-        ds = env.engine.datastore
+        ds = env.engine.memory.datastore
         docs = [doc(TEXT, title="Rates"), doc(SECRET, title="Hedge"), doc(OTHER)]
         ids = [
             d["id"]

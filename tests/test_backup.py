@@ -195,7 +195,7 @@ def test_a_restored_service_answers_predict_exactly_as_before(
     assert ids[1] not in served  # forgotten
 
     m = backup(a, tmp_path / "backup")
-    assert m.memory["entries"] == len(svc.engine.datastore)
+    assert m.memory["entries"] == len(svc.engine.memory.datastore)
     assert m.memory["index_version"] == 1 and m.tables["documents"] == 7
     assert m.dialect == ("postgresql" if source == "pg" else "sqlite")
 
@@ -317,7 +317,7 @@ def test_entries_of_an_uncommitted_append_are_cut_from_the_backup(
     svc.worker.step()
     with pytest.raises(SimulatedCrash):
         svc.worker.step(crash_at="after_append")
-    assert len(svc.engine.datastore) == 66  # the second document's entries, uncommitted
+    assert len(svc.engine.memory.datastore) == 66  # the second document's entries, uncommitted
     m = backup(a, tmp_path / "backup")
     assert m.memory["entries"] == m.memory["live_entries"] == 33
     b = _settings(tmp_path, "b", None)
@@ -457,13 +457,17 @@ def test_a_milvus_memory_is_exported_and_restored_into_a_new_collection(
     second_collection: str,
 ) -> None:
     """On Milvus the backup exports the entries of the documents done (float32 keys, as
-    the collection holds them); restore upserts them into a new, empty collection, and
-    /predict answers as before."""
+    the collection holds them) and copies the recorded builds' records (the interpolation
+    chosen beside each); restore upserts the entries into a new, empty collection, and
+    /predict answers as before, from the same version."""
     a = _settings(tmp_path, "a", sqlite_url, milvus_url)
     svc = Service(a, tiny)
     services.append(svc)
     ids = _add(svc.sessions, TEXTS[:4])
     assert svc.drain() == 4
+    svc.client.post("/admin/rebuild", headers=ADMIN)
+    assert svc.drain() == 1
+    assert svc.engine.served_version == 1
     before = svc.answers()
     assert {n["document_id"] for n in before[0]["neighbours"]} <= set(ids)
     assert before[0]["neighbours"]
@@ -477,9 +481,10 @@ def test_a_milvus_memory_is_exported_and_restored_into_a_new_collection(
         "documents": 4,
         "dim": 32,
         "collection": milvus_url.split("?")[0].rsplit("/", 1)[1],
-        "index_version": None,
+        "index_version": 1,
     }
     assert sorted(r for r in m.files if r.startswith("milvus/")) == ["milvus/part-000000.npz"]
+    assert {"data/memory/index/CURRENT", "data/memory/index/v000001/meta.json"} <= set(m.files)
 
     # the source collection is not empty: refused
     full = _settings(tmp_path, "full", None, milvus_url)
@@ -494,6 +499,8 @@ def test_a_milvus_memory_is_exported_and_restored_into_a_new_collection(
     restored = Service(b, tiny)
     services.append(restored)
     assert restored.engine.memory.count() == stored
+    assert restored.engine.served_version == 1
+    assert restored.engine.stats()["interpolation"] == svc.engine.stats()["interpolation"]
     assert restored.answers() == before
 
 

@@ -280,7 +280,7 @@ def test_engine_trains_saves_and_serves_the_calibrator(tmp_path: Path) -> None:
     pred = eng.predict("The harbour authority in Port")
     ids = enc.tokenize("The harbour authority in Port")
     out = enc.encode_ids(ids + [ids[0]])  # the last row predicts after "Port"
-    dist, _, vals = eng.index.search_values(out.keys[-1:], knn.k)
+    dist, _, vals = eng.memory.index.search_values(out.keys[-1:], knn.k)
     cal = Calibrator.load(vdir / "calibrator")
     want = eng.calibration.served.calibrated(
         out.top_logprob[-1:], out.entropy[-1:], out.prev_tokens[-1:], dist, vals

@@ -96,7 +96,7 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
     before_restart = _records(pending)
     assert sorted(before_restart) == [1, 2]
     worker.lock.release()
-    engine.datastore.close()  # the process is gone
+    engine.memory.datastore.close()  # the process is gone
 
     engine = open_engine(settings, encoder=tiny)
     worker = IngestWorker(engine, sessions, settings, policy_factory=policy_factory)
@@ -223,7 +223,7 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
         pred = c.post("/predict", json={"context": context}).json()
         ids_ctx = tiny.tokenize(context)
         out = tiny.encode_ids(ids_ctx + [ids_ctx[0]])  # the last row predicts after context
-        dist, _, vals = engine.index.search_values(out.keys[-1:], 8)  # type: ignore[attr-defined]
+        dist, _, vals = engine.memory.index.search_values(out.keys[-1:], 8)
         lex = LexicalStats.load(vdir.with_name("v000003") / "lexical.npz", tiny.vocab_size)
         feats = token_features(
             out.top_logprob[-1:], out.entropy[-1:], lex.features(out.prev_tokens[-1:]), dist, vals
@@ -234,7 +234,7 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
         text = TEXTS[4]
         sc = c.post("/score", json={"text": text}).json()
         o = tiny.encode_ids(tiny.tokenize(text))
-        d, i, v = engine.index.search_values(o.keys, 8)  # type: ignore[attr-defined]
+        d, i, v = engine.memory.index.search_values(o.keys, 8)
         f = token_features(o.top_logprob, o.entropy, lex.features(o.prev_tokens), d, v)
         lam = np.full(len(o), 0.5)
         assert not np.allclose(saved.predict({n: f[n] for n in saved.cfg.features}), lam)
@@ -245,14 +245,14 @@ def test_worker_records_rebuild_trains_and_api_serves_the_calibrator(
         # --- forgetting a document takes its rows out of the training set -----------------
         assert c.delete("/admin/documents/6", headers=ADMIN).status_code == 202
         worker.step()
-        docs, per_day = engine.calibration.training_index()  # type: ignore[attr-defined]
+        docs, per_day = engine.calibration.training_index()
         assert docs == {1, 2, 3, 5, 7}
         assert sum(per_day.values()) == tokens_a + tokens_b - scored[5]
         # ... and its tokens out of the lexical statistics
         kept = LexicalStats(tiny.vocab_size)
         for t in TEXTS[:5] + TEXTS[6:]:
             kept.update(np.asarray(tiny.tokenize(t)))
-        lexical = engine.calibration.lexical  # type: ignore[attr-defined]
+        lexical = engine.calibration.lexical
         assert np.array_equal(lexical.count, kept.count)
         assert np.array_equal(lexical.successors, kept.successors)
         assert lexical.docs == {1, 2, 3, 4, 5, 7, 8} and lexical.forgotten == {6}

@@ -124,13 +124,13 @@ def test_ingest_predict_score_threads_match_single_threaded_oracles(tmp_path, en
     for i, (a, b) in stored.items():
         want = clean[i]
         assert b - a == len(want)
-        keys = eng.datastore.keys(np.arange(a, b)).astype(np.float32)
+        keys = eng.memory.datastore.keys(np.arange(a, b)).astype(np.float32)
         np.testing.assert_allclose(keys, want.keys.astype(np.float16), atol=2e-3, rtol=2e-3)
-        docs_, pos, _ = eng.datastore.provenance(np.arange(a, b))
+        docs_, pos, _ = eng.memory.datastore.provenance(np.arange(a, b))
         assert set(docs_.tolist()) == {i} and pos.tolist() == want.positions.tolist()
-        assert eng.datastore.values(np.arange(a, b)).tolist() == want.targets.tolist()
+        assert eng.memory.datastore.values(np.arange(a, b)).tolist() == want.targets.tolist()
         total += b - a
-    assert len(eng.datastore) == total
+    assert len(eng.memory.datastore) == total
 
 
 def test_reads_on_a_fixed_memory_equal_one_thread_exactly(tmp_path, encoder):

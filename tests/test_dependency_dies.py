@@ -114,7 +114,7 @@ def test_postgres_restarted_during_ingest_and_predict(tmp_path: Path, tiny: Any)
                     )
                 )
                 stored = s.scalar(select(func.sum(Document.tokens_stored)))
-            ds = engine.datastore
+            ds = engine.memory.datastore
             ends = [0] + [d.entry_end for d in done]
             assert [d.entry_start for d in done] == ends[:-1]  # no gap, no overlap
             for d in done:  # each range holds its own document's entries, once

@@ -142,7 +142,7 @@ def test_a_full_disk_makes_documents_wait_and_loses_nothing(
                     )
                 )
                 stored = s.scalar(select(func.sum(Document.tokens_stored)))
-            ds = engine.datastore
+            ds = engine.memory.datastore
             assert sorted(d.id for d in done) == sorted(first + late)
             ends = [0] + [d.entry_end for d in done]
             assert [d.entry_start for d in done] == ends[:-1]  # contiguous, in commit order
@@ -215,7 +215,7 @@ def test_a_full_disk_under_the_embedded_sqlite_answers_503_and_loses_nothing(
             with sessions() as s:
                 stored = s.scalar(select(func.sum(Document.tokens_stored)))
                 end = s.scalar(select(func.max(Document.entry_end)))
-            ds = engine.datastore
+            ds = engine.memory.datastore
             stats = c.get("/admin/stats", headers=ADMIN).json()
             assert len(ds) == ds.num_live == end == stored
             assert stats["entries"] == stats["tokens_stored"] == stored

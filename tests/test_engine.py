@@ -26,7 +26,7 @@ def test_fullmem_ingest_stores_every_scored_token(engine):
     n = len(engine.encoder.tokenize(TEXT))
     r = engine.process_document(7, TEXT, 19000, policy="fullmem")
     assert (r.tokens_seen, r.tokens_stored, r.first_entry, r.end_entry) == (n - 1, n - 1, 0, n - 1)
-    docs, pos, days = engine.datastore.provenance(np.arange(r.end_entry))
+    docs, pos, days = engine.memory.datastore.provenance(np.arange(r.end_entry))
     assert set(docs.tolist()) == {7} and set(days.tolist()) == {19000}
     assert pos.tolist() == list(range(1, n))
     assert engine.stats()["entries"] == n - 1
@@ -63,8 +63,8 @@ def test_score_and_would_store(engine):
 def test_crash_after_append_and_truncate(engine):
     with pytest.raises(SimulatedCrash):
         engine.process_document(9, TEXT, 19000, policy="fullmem", crash_at="after_append")
-    assert len(engine.datastore) > 0
-    engine.truncate_datastore(0)
+    assert len(engine.memory.datastore) > 0
+    engine.memory.truncate(0)
     assert engine.stats()["datastore_entries"] == 0
     assert engine.predict("The harbour").neighbours == []
 
@@ -252,7 +252,7 @@ def test_randmem_masks_are_per_document_and_repeat_on_reprocessing(engine):
     assert np.array_equal(first.store, again.store)
     assert np.array_equal(first.store, np.random.default_rng([11, 21]).random(n) < 0.3)
     r = engine.store_document(first)
-    docs, pos, _ = engine.datastore.provenance(np.arange(r.end_entry))
+    docs, pos, _ = engine.memory.datastore.provenance(np.arange(r.end_entry))
     assert r.tokens_stored == int(first.store.sum()) and set(docs.tolist()) == {21}
     assert pos.tolist() == (first.outputs.positions[first.store]).tolist()
 
@@ -265,7 +265,7 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
     import memlm.index.build as index_mod
 
     engine.process_document(1, TEXT, 19000, policy="fullmem")
-    n0 = len(engine.datastore)
+    n0 = len(engine.memory.datastore)
     snapshot_taken, resume = threading.Event(), threading.Event()
     real_live_ids = index_mod._live_ids
 
@@ -286,21 +286,21 @@ def test_entries_appended_during_a_build_are_all_searchable_after_it(engine, mon
     ]
     for i, text in enumerate(others, start=2):
         engine.process_document(i, text, 19001, policy="fullmem")  # ingest during the build
-    total = len(engine.datastore)
+    total = len(engine.memory.datastore)
     resume.set()
     builder.join(60)
     assert not builder.is_alive() and infos[0].upto == n0 < total
     idx = engine.stats()["index"]
-    assert (engine.index.version, idx["built_entries"], idx["fresh_entries"]) == (
+    assert (engine.memory.index.version, idx["built_entries"], idx["fresh_entries"]) == (
         1,
         n0,
         total - n0,
     )
     ids = np.arange(total)
-    keys = engine.datastore.keys(ids).astype(np.float32)
-    dist, found = engine.index.search(keys, 4)
+    keys = engine.memory.datastore.keys(ids).astype(np.float32)
+    dist, found = engine.memory.index.search(keys, 4)
     assert (found == ids[:, None]).any(axis=1).all()  # every entry finds itself
-    docs, _, _ = engine.datastore.provenance(ids[n0:])
+    docs, _, _ = engine.memory.datastore.provenance(ids[n0:])
     assert set(docs.tolist()) == {2, 3, 4}
 
 

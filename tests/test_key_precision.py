@@ -81,13 +81,13 @@ def test_engine_auto_follows_the_store_and_explicit_mismatch_is_refused(tmp_path
     eng = Engine.open(tmp_path, model="tiny-llama", threads=1, precision="bfloat16")
     eng.process_document(1, "The harbour wall was finished in October.", 0, policy="fullmem")
     assert eng.stats()["precision"] == "bfloat16" and eng.stats()["device"] == "cpu"
-    eng.datastore.close()
+    eng.close()
     with pytest.raises(KeyPrecisionMismatch, match="MEMLM_PRECISION=bfloat16"):
         Engine.open(tmp_path, model="tiny-llama", threads=1, precision="float32")
     # auto keeps the store's precision, without probing
     again = Engine.open(tmp_path, model="tiny-llama", threads=1, precision="auto")
     assert again.encoder.precision == "bfloat16" and again.encoder.probe is None
-    again.datastore.close()
+    again.close()
 
 
 # --- the service --------------------------------------------------------------------------

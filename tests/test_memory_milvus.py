@@ -111,7 +111,7 @@ def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> 
         keys, vals, docs, pos, days = _entries(rng, 1, 3000)
         mem.append(keys, vals, docs, pos, days)
         params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=3000)
-        info = mem.build(params)
+        info = mem.build_index(params)
         assert info["index_recreated"] is True and info["entries"] == 3000
         assert mem.stats()["index"] == {
             "kind": "ivfpq",
@@ -128,7 +128,7 @@ def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> 
             assert again.params.kind == "ivfpq" and again.count() == 3000
         finally:
             again.close()
-        assert mem.build(params)["index_recreated"] is False
+        assert mem.build_index(params)["index_recreated"] is False
     finally:
         mem.close()
 
@@ -159,7 +159,7 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
         monkeypatch.setattr(mem.collection, "compact", refuse)
         monkeypatch.setattr(mem.collection, "create_index", record)
         params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=2000)
-        info = mem.build(params)
+        info = mem.build_index(params)
         assert info["index_recreated"] is True and info["entries"] == 2000
         assert timeouts and all(isinstance(t, int) for t in timeouts), timeouts
         _, ids, _ = mem.search(keys[:5], 1)  # loaded and searchable after the build

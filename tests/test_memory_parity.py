@@ -44,8 +44,8 @@ def _fill(tmp_path: Path, url: str, n_docs: int, per_doc: int, seed: int):
 def test_exact_index_same_neighbours(tmp_path: Path, milvus_url: str) -> None:
     fa, mi, keys, f2m, rng = _fill(tmp_path, milvus_url, 12, 150, seed=0)
     try:
-        fa.build(IndexParams.exact())
-        mi.build(IndexParams.exact())
+        fa.build_index(IndexParams.exact())
+        mi.build_index(IndexParams.exact())
         assert fa.count() == mi.count() == 1800
         q = (keys[rng.integers(0, len(keys), 40)] + rng.standard_normal((40, DIM))).astype(
             np.float32
@@ -76,8 +76,8 @@ def test_ivfpq_recall_at_64(tmp_path: Path, milvus_url: str) -> None:
     try:
         # what IndexParams.for_size picks near 20k entries, at DIM=32 (m must divide it)
         params = IndexParams(kind="ivfpq", nlist=512, m=16, nprobe=16, train_size=20_000)
-        fa.build(params)
-        info = mi.build(params)
+        fa.build_index(params)
+        info = mi.build_index(params)
         assert info["params"]["kind"] == "ivfpq"
         q = (keys[rng.integers(0, len(keys), 200)] + rng.standard_normal((200, DIM))).astype(
             np.float32

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from memlm.db.models import IndexBuild
 from memlm.db.repositories import BuildRepository
 from memlm.db.session import purge_wal
-from memlm.engine import EngineLike
+from memlm.engine import BuildInfo, EngineLike
 from memlm.locks import LockBusy
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,8 @@ def _wants_retrain(row: IndexBuild) -> bool:
     return bool((row.params or {}).get("retrain"))
 
 
-def _params(info: Any) -> dict[str, Any]:
-    params: Any = getattr(info, "params", None)
-    if params is None:
-        return {}
-    return dict(params.to_json() if hasattr(params, "to_json") else params)
+def _params(info: BuildInfo) -> dict[str, Any]:
+    return dict(info.params.to_json())
 
 
 def _sizes(engine: EngineLike) -> dict[str, int]:
@@ -107,9 +104,8 @@ def _build(
     params = _params(info)
     if retrain:
         params["retrain"] = True
-    record = getattr(info, "record", None)
-    if callable(record):  # full or incremental, why, what it added and removed
-        params["build"] = record()
+    # full or incremental, why, what it added and removed
+    params["build"] = info.record()
     calibrator = getattr(info, "calibrator", None)
     if calibrator is not None:  # what the calibrator training at this build did
         params["calibrator"] = calibrator

@@ -6,19 +6,24 @@ One unit of work is one document (docs/architecture.md, the data flow)::
         -> inside the datastore's write lock: append durably, then one transaction:
            document done + the day's counters (commit)
 
-Several workers may share one data directory (and one PostgreSQL or SQLite database):
-they claim different documents (``FOR UPDATE SKIP LOCKED`` / compare-and-set), encode
-and score them in parallel, and take turns for the short append-and-commit step, which
-the datastore's ``exclusive()`` lock serialises across processes. So the datastore holds,
-at every moment outside that step, exactly the entries of committed documents.
+Several workers may share one data directory, or only the database and a memory server
+(Milvus): they claim different documents (``FOR UPDATE SKIP LOCKED`` / compare-and-set),
+encode and score them in parallel, and take turns for the short append-and-commit step
+where the memory needs turns (``engine.exclusive()``: the faiss datastore's lock across
+processes). So the memory holds, at every moment outside that step, exactly the entries
+of committed documents.
 
 A crash between the append and the commit leaves entries that no committed document owns.
-Every committed document records its entry range, so the next append-and-commit step of
-any worker (and every worker's start-up) first cuts the datastore back to the end of the
-last committed range: nothing is lost, nothing is counted twice. Each worker holds a lock
-file named after it (``MEMLM_DATA_DIR/workers/``) for its whole life; the kernel drops it
-when the process dies, so another worker can tell that a document left in
-``processing`` lost its worker and put it back in the queue.
+The worker never asks which memory serves: it tells the memory what the database
+committed (``workers.committed``) and the memory takes out the rest, before each append
+(``engine.rollback``: faiss cuts the datastore back to the end of the last committed
+range; Milvus has nothing to cut, since a document's put replaces an earlier try's),
+after a failed try (that document's entries) and at every worker's start-up
+(``engine.recover``): nothing is lost, nothing is counted twice. Each worker holds a lock
+named after it for its whole life (``workers.liveness``: a lock file, or a PostgreSQL
+advisory lock where workers share no data directory); it goes when the process dies, so
+another worker can tell that a document left in ``processing`` lost its worker and put it
+back in the queue.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -46,12 +50,15 @@ from memlm.db.repositories import (
     SpanRepository,
     StatsRepository,
 )
-from memlm.engine import EngineLike, day_number, policy_params, reconcile_index
-from memlm.locks import FileLock, LockBusy, held_elsewhere
+from memlm.engine import EngineLike, MemoryBehind, day_number, policy_params, reconcile_index
+from memlm.locks import LockBusy
 from memlm.settings import Settings
 from memlm.unavailable import unavailable
 from workers.builder import run_queued_build, start_builder
-from workers.liveness import PgWorkerLock, pg_worker_alive
+from workers.committed import DatabaseCommitted
+from workers.liveness import worker_alive, worker_lock, worker_lock_path
+
+__all__ = ["DatastoreAhead", "IngestWorker", "Processed", "Recovery", "worker_lock_path"]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +70,9 @@ class SimulatedCrash(RuntimeError):
     """Raised at a ``crash_at`` point; the worker object must be discarded."""
 
 
-class DatastoreAhead(RuntimeError):
-    """The datastore is shorter than the committed documents say: data was lost."""
+# The memory holds less than the committed documents say: data was lost (raised by the
+# memory's recover; the name older callers catch).
+DatastoreAhead = MemoryBehind
 
 
 # Why a claim went back without a result (the try was counted when it was claimed).
@@ -79,8 +87,8 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
 class Recovery:
     released_documents: int
     released_builds: int
-    datastore_before: int
-    datastore_after: int
+    datastore_before: int  # entries the memory held before the start-up rollback
+    datastore_after: int  # ... and after it
 
 
 @dataclass(frozen=True)
@@ -90,17 +98,6 @@ class Processed:
     tokens_seen: int = 0
     tokens_stored: int = 0
     seconds: float = 0.0
-
-
-def datastore_length(engine: EngineLike) -> int:
-    """Committed datastore entries, deleted ones included (ids run 0..length-1)."""
-    return int(engine.stats()["datastore_entries"])
-
-
-def worker_lock_path(settings: Settings, name: str) -> Path:
-    """The file a live worker of this name holds locked (``host:pid`` -> ``host_pid.lock``)."""
-    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
-    return settings.workers_dir / f"{safe}.lock"
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -155,23 +152,16 @@ class IngestWorker:
         self.sessions = sessions
         self.settings = settings
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        # The Milvus memory: workers may run on machines that share only PostgreSQL and
-        # Milvus, so liveness is a PostgreSQL advisory lock (workers.liveness), and the
-        # memory's own idempotent per-document writes replace the datastore's cut.
-        self.on_milvus = bool(getattr(engine, "on_milvus", False))
-        self.pg_liveness = self.on_milvus and settings.db_url.startswith("postgresql")
-        self.lock: FileLock | PgWorkerLock = (  # "this worker lives"
-            PgWorkerLock(settings.db_url, self.name)
-            if self.pg_liveness
-            else FileLock(worker_lock_path(settings, self.name))
-        )
+        self.lock = worker_lock(settings, self.name)  # "this worker lives"
+        # what the database committed, for the memory's rollbacks
+        self.committed = DatabaseCommitted(sessions, self.name)
         self.policy_factory = policy_factory
         self.done = 0
         # Tries in a row that failed because a dependency was away (a full disk, the
         # database, the memory server): run() pauses retry_delay(streak) before the next.
         self.unavailable_streak = 0
         self._owes_release = False  # a claim that a failed step could not give back yet
-        self._owes_cut = False  # entries of a failed try that could not be cut yet
+        self._owes_cut: int | None = None  # a failed try whose entries could not go yet
 
     # --- start-up ------------------------------------------------------------------------
 
@@ -182,7 +172,7 @@ class IngestWorker:
         return self.recover()
 
     def recover(self) -> Recovery:
-        """Release dead workers' claims and builds; cut the datastore to committed entries."""
+        """Release dead workers' claims and builds; the memory keeps only committed entries."""
         released = self.release_dead_claims(including_self=True)
         builds = 0
         # nobody builds now, so a build marked running lost its builder
@@ -192,20 +182,11 @@ class IngestWorker:
             self.sessions.begin() as s,
         ):
             builds = BuildRepository(s).release_orphans()
-        if self.on_milvus:
-            dropped = self.drop_orphans()
-            reconcile_index(self.engine, self.sessions, delete=True)
-            return Recovery(released, builds, dropped, 0)
-        with self.engine.exclusive():
-            before, end = self._cut_uncommitted()
-        if before < end:
-            raise DatastoreAhead(
-                f"datastore has {before} entries but committed documents own {end}: "
-                "the data directory does not match the database"
-            )
+        # raises MemoryBehind (DatastoreAhead) when the memory holds less than was committed
+        before, after = self.engine.recover(self.committed)
         # after the check above: a data directory that is not this database's keeps its files
         reconcile_index(self.engine, self.sessions, delete=True)
-        return Recovery(released, builds, before, end)
+        return Recovery(released, builds, before, after)
 
     def release_dead_claims(self, *, including_self: bool = False) -> int:
         """Put documents claimed by workers that no longer live back in the queue.
@@ -231,27 +212,7 @@ class IngestWorker:
         return released
 
     def _alive(self, name: str) -> bool:
-        if self.pg_liveness:
-            return pg_worker_alive(self.settings.db_url, name)
-        return held_elsewhere(worker_lock_path(self.settings, name))
-
-    def drop_orphans(self) -> int:
-        """Milvus: delete the entries of documents that are neither committed (done, or
-        being forgotten) nor claimed by a live worker: a worker killed between its insert
-        and its commit left them. Returns how many entries left."""
-        memory = self.engine.memory  # type: ignore[attr-defined]
-        held = memory.documents()
-        with self.sessions() as s:
-            rows = DocumentRepository(s).many(held.tolist())
-        keep = [
-            d
-            for d in held.tolist()
-            if d in rows and rows[d].status in ("done", "forgetting", "processing")
-        ]
-        dropped = int(memory.delete_documents_except(keep, held))
-        if dropped:
-            log.warning("deleted %d Milvus entries of uncommitted documents", dropped)
-        return dropped
+        return worker_alive(self.settings, name)
 
     # --- work ------------------------------------------------------------------------------
 
@@ -322,8 +283,8 @@ class IngestWorker:
             return self._failed(doc_id, exc)
         with self.engine.exclusive():  # other workers wait from here to the commit
             try:
-                if not self.on_milvus:  # (Milvus: the append replaces an earlier try's)
-                    self._cut_uncommitted()  # a worker that died between append and commit
+                # what a worker that died between its append and its commit left
+                self.engine.rollback(self.committed)
                 result = self.engine.store_document(prepared)
             except Exception as exc:
                 return self._failed(doc_id, exc)
@@ -343,8 +304,8 @@ class IngestWorker:
                     )
                     if recorded:
                         StatsRepository(s).add_document(day, policy_name, seen, stored)
-                        # snippet offsets commit with the document (None from engines without)
-                        SpanRepository(s).put(doc_id, getattr(prepared, "char_spans", None))
+                        # snippet offsets commit with the document (None: not known)
+                        SpanRepository(s).put(doc_id, prepared.char_spans)
             except Exception as exc:
                 # The commit failed: the entries must not outlive it (_failed cuts them
                 # now; any worker's next append would too), and the document is retried.
@@ -377,7 +338,7 @@ class IngestWorker:
             # rollback: the document is recorded below all the same (with its reason), and
             # run() cuts the entries as soon as it can (so does any worker's next try).
             log.warning("document %d: rollback deferred: %s", doc_id, unavailable(undo))
-            self._owes_cut = True
+            self._owes_cut = doc_id
         reason = failure_reason(exc)
         limit = self.settings.ingest_max_attempts
         with self.sessions.begin() as s:
@@ -408,26 +369,7 @@ class IngestWorker:
 
     def _discard_try(self, doc_id: int) -> None:
         """Take out whatever this try of the document wrote to the memory."""
-        if self.on_milvus:
-            self.engine.memory.delete_document(doc_id)  # type: ignore[attr-defined]
-        else:
-            with self.engine.exclusive():
-                self._cut_uncommitted()
-
-    def _cut_uncommitted(self) -> tuple[int, int]:
-        """Cut entries no committed document owns (call inside ``engine.exclusive()``).
-
-        Returns the datastore's length before the cut and the committed end.
-        """
-        with self.sessions() as s:
-            end = DocumentRepository(s).committed_end()
-        before = datastore_length(self.engine)
-        if before > end:
-            log.warning(
-                "cutting %d uncommitted datastore entries (%d -> %d)", before - end, before, end
-            )
-            self.engine.truncate_datastore(end)
-        return before, end
+        self.engine.rollback(self.committed, doc_id)
 
     def run(self, stop: threading.Event, *, crash_at: str | None = None) -> None:
         """Work until ``stop`` is set; sleeps ``worker_poll_seconds`` when idle.
@@ -452,8 +394,9 @@ class IngestWorker:
                 if self._owes_release:  # the database was away when a step failed
                     self._owes_release = not self._release_own_claim()
                 try:
-                    if self._owes_cut:  # before anything else is served from the memory
-                        self._owes_cut = not self._cut_deferred()
+                    owed = self._owes_cut  # before the memory serves anything else
+                    if owed is not None and self._cut_deferred(owed):
+                        self._owes_cut = None
                     out = self.step(crash_at=crash_at, build=False)
                 except SimulatedCrash:
                     # A real kill, so the test sees exactly what a crash leaves behind.
@@ -480,15 +423,12 @@ class IngestWorker:
             builder.join(timeout=self.settings.worker_poll_seconds)  # a build may take long
             self.lock.release()
 
-    def _cut_deferred(self) -> bool:
-        """Cut the entries of a failed try that ``_failed`` could not cut; False while the
-        disk or the database is still away. (Milvus: the document's next try replaces
-        them, and ``drop_orphans`` at start-up drops a never-retried one's.)"""
-        if self.on_milvus:
-            return True
+    def _cut_deferred(self, doc_id: int) -> bool:
+        """Take out the entries of a failed try that ``_failed`` could not; False while
+        the disk, the database or the memory server is still away. (The memory leaves a
+        document that is done or another worker's by then alone.)"""
         try:
-            with self.engine.exclusive():
-                self._cut_uncommitted()
+            self._discard_try(doc_id)
         except Exception as exc:
             if unavailable(exc) is None:
                 raise

@@ -1,20 +1,43 @@
-"""Which ingest workers are alive, when they share no filesystem (the Milvus memory).
+"""Which ingest workers are alive: each holds a lock named after it for its whole life.
 
-With the faiss memory every worker runs on one data directory and holds a ``flock`` named
-after it there (``workers.ingest.worker_lock_path``). Workers on different machines that
-share only PostgreSQL and Milvus hold a session-level PostgreSQL advisory lock instead, on
-a connection of their own for their whole life: the server drops it when the process dies
-(its connection closes), so, like ``flock``, there is no stale lock to clean.
+``MEMLM_WORKER_LIVENESS`` (``Settings.liveness``) chooses the lock. ``file``: workers on
+one data directory hold a ``flock`` named after them there (``worker_lock_path``).
+``database``: workers on different machines that share only PostgreSQL (and a memory
+server) hold a session-level PostgreSQL advisory lock instead, on a connection of their
+own: the server drops it when the process dies (its connection closes), so, like
+``flock``, there is no stale lock to clean.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 
 from sqlalchemy import Connection, NullPool, create_engine, text
 
-from memlm.locks import LockBusy
+from memlm.locks import FileLock, LockBusy, held_elsewhere
+from memlm.settings import Settings
+
+
+def worker_lock_path(settings: Settings, name: str) -> Path:
+    """The file a live worker of this name holds locked (``host:pid`` -> ``host_pid.lock``)."""
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in name)
+    return settings.workers_dir / f"{safe}.lock"
+
+
+def worker_lock(settings: Settings, name: str) -> FileLock | PgWorkerLock:
+    """The lock that says worker ``name`` lives, as the settings choose."""
+    if settings.liveness == "database":
+        return PgWorkerLock(settings.db_url, name)
+    return FileLock(worker_lock_path(settings, name))
+
+
+def worker_alive(settings: Settings, name: str) -> bool:
+    """Whether another process holds worker ``name``'s lock now."""
+    if settings.liveness == "database":
+        return pg_worker_alive(settings.db_url, name)
+    return held_elsewhere(worker_lock_path(settings, name))
 
 
 def advisory_key(db_url: str, name: str) -> int:

@@ -87,7 +87,7 @@ def import_entries(m: BackupManifest, src: Path, target: Any) -> int:
         check_entry(src / rel, m.files[rel], hash_file(src / rel))
         with np.load(src / rel) as z:
             target.upsert(*(z[c] for c in _COLUMNS))
-    target.build()
+    target.build_index()
     held = int(target.count())
     if held != m.memory["entries"]:
         raise BackupCorrupt(

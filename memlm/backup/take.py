@@ -55,6 +55,7 @@ from memlm.index import list_versions
 from memlm.index.versions import version_name
 from memlm.locks import FileLock, LockBusy
 from memlm.memory import MilvusURL, parse_memory_url
+from memlm.memory.versions import DELETED_FILE
 from memlm.settings import Settings
 
 # How often the backup tries the datastore's write lock: workers hold it a few ms per
@@ -126,9 +127,12 @@ def _take_snapshot(
             revision = MigrationContext.configure(conn).get_current_revision()
             with Session(bind=conn) as s:
                 snap.stored = DocumentRepository(s).stored_by_document()
-            recorded: set[int] = set()
+                # the build records (and the interpolation chosen beside each)
+                recorded = BuildRepository(s).recorded_versions()
             if (memory / LEXICAL).exists():
                 _open(snap, data_dir, memory / LEXICAL)
+            if (memory / "index" / DELETED_FILE).exists():  # what prune compares with
+                _open(snap, data_dir, memory / "index" / DELETED_FILE)
         else:
             revision, recorded = _pause_ingest(snap, conn, data_dir, wait, while_paused)
         if revision != head_revision():
@@ -302,6 +306,7 @@ def _export_milvus(
     finally:
         memory.close()
     files.update(parts)
+    files.update(_write_pointers(dest, snap, datastore=False))
     return {
         "backend": "milvus",
         "entries": n,
@@ -309,7 +314,7 @@ def _export_milvus(
         "documents": len(snap.stored),
         "dim": dim,
         "collection": url.collection,
-        "index_version": None,
+        "index_version": snap.versions[-1] if snap.versions else None,
     }
 
 
@@ -317,12 +322,15 @@ def _size(f: IO[bytes]) -> int:
     return os.fstat(f.fileno()).st_size
 
 
-def _write_pointers(dest: Path, snap: _Snapshot) -> dict[str, FileEntry]:
-    """The datastore's manifest as the snapshot read it, and CURRENT naming the newest
-    recorded version (a version built but never recorded is an orphan: not copied)."""
+def _write_pointers(dest: Path, snap: _Snapshot, *, datastore: bool = True) -> dict[str, FileEntry]:
+    """The datastore's manifest as the snapshot read it (``datastore``), and CURRENT naming
+    the newest recorded version (a version built but never recorded is an orphan: not
+    copied)."""
     out: dict[str, FileEntry] = {}
     memory = f"{DATA}/memory"
-    texts = {f"{memory}/datastore/{DATASTORE_MANIFEST}": snap.datastore_manifest}
+    texts = (
+        {f"{memory}/datastore/{DATASTORE_MANIFEST}": snap.datastore_manifest} if datastore else {}
+    )
     if snap.versions:
         texts[f"{memory}/index/CURRENT"] = version_name(snap.versions[-1]) + "\n"
     for rel, body in texts.items():

@@ -1,15 +1,17 @@
 """The engine facade: one object that the service and the workers drive.
 
-It owns the encoder, the datastore and the served memory index of one data directory,
-and offers the operations of the data flow (docs/architecture.md): memorise a document with a
-policy, predict the next token, score a text, rebuild the index, forget a document.
+It owns the encoder and the memory of one data directory (``memlm.memory``: the faiss
+files or a Milvus collection, behind one protocol that the engine never goes around), and
+offers the operations of the data flow (docs/architecture.md): memorise a document with
+a policy, predict the next token, score a text, rebuild the index, forget a document.
 No HTTP here, and the database only in opening.py (reads of its records); the caller
 commits its own bookkeeping.
 
 Modules, one responsibility each::
 
     facade.py    :class:`Engine` (every operation below) and ``Engine.open``
-    core.py      state, served interpolation, scores of a text, build/write locks, reload
+    core.py      state, served interpolation, scores of a text, build/write locks, reload,
+                 rollback / recover (what the database did not commit)
     ingest.py    ``process_document`` = ``prepare_document`` + ``store_document``
     predict.py   ``predict`` / ``predict_batch`` (words, TRIME memory, neighbours)
     generation.py ``start_generation`` and the pieces :mod:`memlm.engine.generation` steps with
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
     )
     from memlm.knnlm import MemoryOptions
     from memlm.knnlm.policy import make_policy
+    from memlm.memory import BuildInfo
+    from memlm.memory.base import Committed, MemoryBehind, Recovered
 
 # name -> the module that defines it
 _LAZY = {
@@ -79,21 +83,29 @@ _LAZY = {
     "reconcile_index": "memlm.engine.opening",
     "MemoryOptions": "memlm.knnlm",
     "make_policy": "memlm.knnlm.policy",
+    "BuildInfo": "memlm.memory",
+    "Committed": "memlm.memory.base",
+    "MemoryBehind": "memlm.memory.base",
+    "Recovered": "memlm.memory.base",
 }
 
 __all__ = [
     "BUILD_LOCK",
     "ENGINE_CRASH_POINTS",
+    "BuildInfo",
+    "Committed",
     "ContextFit",
     "Engine",
     "EngineInputError",
     "EngineLike",
     "IngestResult",
+    "MemoryBehind",
     "MemoryOptions",
     "Neighbour",
     "Prediction",
     "PreparedDocument",
     "RebuildInfo",
+    "Recovered",
     "ScoreResult",
     "Suggestion",
     "day_number",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Collection
 from dataclasses import fields
 from typing import Any
@@ -13,19 +12,11 @@ from typing import Any
 import numpy as np
 
 from memlm.calibrator import TOP_N
-from memlm.datastore import Compaction
 from memlm.encoder import TokenOutputs
 from memlm.engine.core import EngineCore
 from memlm.engine.errors import EngineInputError
 from memlm.engine.results import RebuildInfo
-from memlm.index import (
-    IndexParams,
-    build_index,
-    list_versions,
-    newest_recorded,
-    prune,
-    remove_orphan_versions,
-)
+from memlm.memory import Compaction, IndexParams
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +33,35 @@ class BuildMixin(EngineCore):
         params: IndexParams | None = None,
         retrain: bool = False,
     ) -> RebuildInfo:
-        """Build a new index version, choose its interpolation on the held-out tokens (the
-        constant tuned on them, or the calibrator trained on them if it beats that constant
-        on the same validation tokens), serve both.
+        """Build a new version of the memory (``MemoryBackend.build``), choose its
+        interpolation on the held-out tokens (the constant and the evidence model tuned on
+        them, or the calibrator trained on them if it beats them on the same validation
+        tokens), serve both. The same on every backend: the interpolation's files live
+        beside the version's record.
 
-        The version is incremental (the served one plus the entries appended since, less
-        the compacted ones) unless ``retrain`` or ``build_index``'s rules ask for training.
+        faiss: incremental (the served version plus the entries appended since, less the
+        compacted ones) unless ``retrain`` or ``build_index``'s rules ask for training;
+        Milvus: the collection flushed, compacted and, when the size or ``retrain`` asks,
+        indexed again.
 
         One build at a time per data directory, across processes (``build.lock``).
         """
         self._check_writer()
-        if self.on_milvus:
-            return self._rebuild_milvus(params)
+        root = self.memory.root
         with self.building():
             self.sync()
             compaction = self.compact()
-            info = build_index(
-                self.datastore,
-                self.data_dir / "index",
-                params,
-                retrain=retrain,
-                crash_at=crash_at,
-                progress=False,
-            )
+            info = self.memory.build(params, retrain=retrain, crash_at=crash_at)
             # ingest goes on during a build (workers.builder): the statistics are saved
             # between two documents, never half-way through one's update
             with self.exclusive(), self._write_lock:
-                self.calibration.snapshot(self.data_dir / "index", info.version)
+                self.calibration.snapshot(root, info.version)
             report, interpolation = self._calibrate_for(info.version)
             # After the calibrator of the new version is saved (or carried forward): older
-            # versions that hold a forgotten document's keys go now, whatever their age.
-            if self.datastore.num_deleted_documents:  # (a failed training carried none)
-                self.calibration._carry_forward(self.data_dir / "index", info.version)
-            prune(
-                self.data_dir / "index",
-                keep=3,
-                deleted_documents=self.datastore.num_deleted_documents,
-            )
+            # versions that hold a forgotten document's traces go now, whatever their age.
+            if self.memory.deleted_documents:  # (a failed training carried none)
+                self.calibration._carry_forward(root, info.version)
+            self.memory.prune(keep=3)
         self.reload_index()
         return RebuildInfo(
             **{f.name: getattr(info, f.name) for f in fields(info)},
@@ -87,43 +70,16 @@ class BuildMixin(EngineCore):
             interpolation=interpolation,
         )
 
-    def _rebuild_milvus(self, params: IndexParams | None) -> RebuildInfo:
-        """Flush, compact and (when the size calls for it) re-index the collection.
-
-        The interpolation is not re-tuned and no calibrator is trained: both live beside
-        local index versions, which the Milvus memory does not have; the settings' constant
-        (or the measured default) stays served.
-        """
-        with self.building():
-            info = self.memory.build(params)
-        p = info["params"]
-        return RebuildInfo(
-            version=time.time_ns() // 1_000_000,  # a build stamp: Milvus keeps no versions
-            entries=int(info["entries"]),
-            upto=int(info["entries"]),
-            params=p if isinstance(p, IndexParams) else IndexParams(**p),
-            train_seconds=0.0,
-            add_seconds=float(info["seconds"]),
-            path=self.data_dir / "index",
-            dim=self.encoder.dim,
-            calibrator={"trained": False, "reason": "not with the Milvus memory"},
-            compaction={k: v for k, v in info.items() if k.endswith("seconds")},
-            interpolation={"served": self.served.to_json(), "tuned": False},
-        )
-
     def compact(self, *, crash_at: str | None = None) -> Compaction:
-        """Remove forgotten documents' rows from the datastore files (``Datastore.compact``).
+        """Remove forgotten documents' rows from the memory's storage
+        (``MemoryBackend.compact``; faiss: ``Datastore.compact``, Milvus: in ``build``).
 
-        Runs under the build lock (the nightly build calls it first) and the datastore's
-        write lock; the served memory then re-reads the rewritten segments. Ids do not
-        change, so the index versions, the fresh index and the database stay valid.
+        Runs under the build lock (the nightly build calls it first) and the memory's
+        write lock; ids do not change, so the versions and the database stay valid.
         """
         self._check_writer()
-        if self.on_milvus:  # Milvus compacts deleted rows itself (and in ``rebuild``)
-            return Compaction(0, 0, 0)
         with self.building(), self.exclusive(), self._write_lock:
-            done = self.datastore.compact(crash_at=crash_at)
-            self.index.refresh()
+            done = self.memory.compact(crash_at=crash_at)
         if done.rows_removed:
             log.info(
                 "compaction: %d rows of forgotten documents removed from %d segments, "
@@ -142,7 +98,7 @@ class BuildMixin(EngineCore):
         without ``interpolation.json``: it serves the newest older choice.
         """
         cfg = self.heldout.cfg
-        index_root = self.data_dir / "index"
+        index_root = self.memory.root
         report: dict[str, Any] = {"trained": False, "reason": "calibrator training is off"}
         try:
             if cfg.enabled:
@@ -175,12 +131,12 @@ class BuildMixin(EngineCore):
         serving that version pick them up on their next ``reload_index``.
         """
         self._check_writer()
-        version = self.index.version
+        version = self.memory.served_version
         if version is None:
             raise EngineInputError("build an index before training the calibrator")
         outs = [self._encode(t)[1] for t in texts]
         o = TokenOutputs.concat(outs)
-        dist, _, vals = self.index.search_values(o.keys, max(self.knn.k, TOP_N))
+        dist, _, vals = self.memory.search(o.keys, max(self.knn.k, TOP_N))
         split: dict[str, np.ndarray] = {
             "target_lm_logprob": o.target_logprob.astype(np.float64),
             "distances": dist,
@@ -195,7 +151,7 @@ class BuildMixin(EngineCore):
             "qnorm": (o.keys.astype(np.float64) ** 2).sum(axis=1).astype(np.float32),
             "context": o.positions.astype(np.float32),
         }
-        index_root = self.data_dir / "index"
+        index_root = self.memory.root
         with self.building():  # the training set and the version's files have the build lock
             # k and T of the constant chosen now; the calibrator's lambda competes with it
             choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
@@ -212,17 +168,11 @@ class BuildMixin(EngineCore):
         orphan; ``delete`` (a writer, which takes the build lock) also removes orphans and
         points CURRENT back. Returns the orphan versions found, ascending.
         """
-        root = self.data_dir / "index"
-        if self.on_milvus:  # no version directories: nothing to reconcile
-            return []
         if delete:
             self._check_writer()
             with self.building(timeout=0):
-                orphans = remove_orphan_versions(root, recorded)
+                orphans = self.memory.reconcile(recorded, delete=True)
         else:
-            orphans = [v for v in list_versions(root) if v not in set(recorded)]
-        want = newest_recorded(root, recorded)
-        if self.index.version != want:
-            self.index.serve(want)
-            self.calibration.load_for(root, self.index.version)
+            orphans = self.memory.reconcile(recorded, delete=False)
+        self.calibration.load_for(self.memory.root, self.memory.served_version)
         return orphans

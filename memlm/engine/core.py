@@ -8,47 +8,28 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
 
 import numpy as np
 
 from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
 from memlm.calibrator.constant import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.calibrator.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
-from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig
 from memlm.engine.errors import EngineInputError
-from memlm.index import MemoryIndex
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy
-from memlm.memory import MemoryBackend, open_milvus, parse_memory_url
-from memlm.memory.faiss_backend import FaissMemory
-from memlm.memory.url import MilvusURL
-
-
-class FaissOnly:
-    """Stands for the datastore or the index files when the memory is Milvus: any use is a
-    bug in a path that should have asked ``EngineCore.on_milvus``, named as such."""
-
-    def __init__(self, what: str, url: MilvusURL) -> None:
-        self._what, self._url = what, url
-
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(
-            f"{self._what}.{name}: the memory is the Milvus collection {self._url}, "
-            "which has no local datastore or index versions"
-        )
-
+from memlm.memory import Committed, MemoryBackend, Recovered, open_memory
 
 ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
 BUILD_LOCK = "build.lock"  # one index build (and training-set write) at a time
 
 
 class EngineCore:
-    """Encoder + datastore + memory index of one data directory (``Engine`` adds the
-    operations: memlm.engine.ingest, .predict, .score, .build, .forget, .stats)."""
+    """The encoder and the memory (``MemoryBackend``) of one data directory, with the
+    served interpolation (``Engine`` adds the operations: memlm.engine.ingest, .predict,
+    .score, .build, .forget, .stats)."""
 
     def __init__(
         self,
@@ -72,7 +53,8 @@ class EngineCore:
         serve ``knn`` always); ``tune_min_tokens``: held-out tokens with a neighbour needed
         to tune; ``evidence``: lambda per token from the retrieval evidence
         (memlm.calibrator.evidence; the service turns it on unless the settings fix
-        lambda), not the constant ``knn``'s lambda; never with a grid that fixes lambda. ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
+        lambda), not the constant ``knn``'s lambda; never with a grid that fixes lambda.
+        ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
         ``data_dir``; ``milvus://host:port/collection``: a Milvus collection)."""
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
@@ -88,24 +70,16 @@ class EngineCore:
         self.policy = policy or make_policy("monim")
         self.window = window or WindowConfig()
         self.words = WordConfig()
-        milvus = parse_memory_url(memory_url)
-        self.memory: MemoryBackend
-        if milvus is None:
-            self.datastore = Datastore.open(
-                self.data_dir / "datastore",
-                dim=None if readonly else encoder.dim,
-                readonly=readonly,
-                shared=shared,
-                # refused when the store's keys were made in another precision (never mixed)
-                key_precision=encoder.precision,
-            )
-            self.index = MemoryIndex(self.datastore, self.data_dir / "index")
-            self.memory = FaissMemory(self.datastore, self.index)
-        else:
-            # The memory is the collection: no datastore files, no index versions here.
-            self.datastore = cast(Datastore, FaissOnly("datastore", milvus))
-            self.index = cast(MemoryIndex, FaissOnly("index", milvus))
-            self.memory = open_milvus(milvus, encoder.dim)
+        # the one place that knows which memory serves: nothing below asks
+        self.memory: MemoryBackend = open_memory(
+            memory_url,
+            self.data_dir,
+            encoder.dim,
+            readonly=readonly,
+            shared=shared,
+            # refused when the store's keys were made in another precision (never mixed)
+            key_precision=encoder.precision,
+        )
         self._write_lock = threading.Lock()  # one appender per process
         self._build_lock = threading.RLock()  # building(): this process's holder
         self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
@@ -121,18 +95,14 @@ class EngineCore:
             default=default,
             evidence=evidence,
         )
-        self.calibration.load_for(self.data_dir / "index", self.served_version)
+        self.calibration.load_for(self.memory.root, self.served_version)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
         self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
 
     @property
-    def on_milvus(self) -> bool:
-        return self.memory.name == "milvus"
-
-    @property
     def served_version(self) -> int | None:
-        """The faiss index version served (None with Milvus: it has no versions here)."""
-        return None if self.on_milvus else self.index.version
+        """The memory's built version served (None before the first build)."""
+        return self.memory.served_version
 
     @property
     def knn(self) -> KnnParams:
@@ -204,18 +174,11 @@ class EngineCore:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """The datastore's write lock for the block, with the memory up to date inside.
-
-        A shared writer (``Engine.open(shared=True)``: several ingest processes on one
-        data directory) sees every entry the others committed before it appends.
-        """
+        """The memory's writer block (``MemoryBackend.writer``), with the memory up to date
+        inside: a shared writer (``Engine.open(shared=True)``: several ingest processes on
+        one data directory) sees every entry the others committed before it writes."""
         self._check_writer()
-        if self.on_milvus:  # a document's append is idempotent: writers need no turns
-            yield
-            return
-        with self.datastore.exclusive():
-            if self.shared:
-                self.index.refresh()
+        with self.memory.writer():
             yield
 
     def char_spans(self, text: str) -> np.ndarray:
@@ -223,21 +186,32 @@ class EngineCore:
         return np.asarray(self.encoder.char_offsets(text), dtype=np.int64).reshape(-1, 2)
 
     def sync(self) -> int:
-        """Make entries other processes appended searchable (read-only and shared engines)."""
-        if self.on_milvus:
-            return self.memory.refresh()
-        return self.index.refresh() if self.readonly or self.shared else 0
+        """Make entries other processes wrote searchable (read-only and shared engines)."""
+        return self.memory.refresh() if self.readonly or self.shared else 0
 
     def _check_writer(self) -> None:
         if self.readonly:
             raise RuntimeError("this engine opened the memory read-only; the worker writes")
 
     def reload_index(self) -> bool:
-        """Serve the newest built version (and its calibrator) if another process built one."""
-        if self.on_milvus:  # follow an index another process re-created
-            self.memory.refresh()
-            self.calibration.load_for(self.data_dir / "index", None)
-            return False
-        changed = self.index.reload()
-        self.calibration.load_for(self.data_dir / "index", self.index.version)
+        """Serve the newest built version (and its interpolation) if another process
+        built one; returns whether the served version changed."""
+        changed = self.memory.reload()
+        self.calibration.load_for(self.memory.root, self.memory.served_version)
         return changed
+
+    # --- what the database committed -------------------------------------------------------
+
+    def rollback(self, committed: Committed, document: int | None = None) -> int:
+        """Take out the entries of tries the database did not commit
+        (``MemoryBackend.rollback``); returns how many left."""
+        self._check_writer()
+        with self.exclusive(), self._write_lock:
+            return self.memory.rollback(committed, document)
+
+    def recover(self, committed: Committed) -> Recovered:
+        """At a writer's start: the memory holds exactly the committed documents' entries
+        afterwards (``MemoryBackend.recover``; raises ``MemoryBehind``)."""
+        self._check_writer()
+        with self.exclusive(), self._write_lock:
+            return self.memory.recover(committed)

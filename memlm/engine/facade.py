@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memlm.calibrator.constant import MIN_TUNE_TOKENS, SERVED_GRID, TuneGrid
 from memlm.calibrator.heldout import HeldOutConfig
-from memlm.datastore import Datastore
 from memlm.encoder import BUNDLED_MODEL, Encoder, WindowConfig
 from memlm.engine.build import BuildMixin
 from memlm.engine.forget import ForgetMixin
@@ -18,6 +18,11 @@ from memlm.engine.score import ScoreMixin
 from memlm.engine.stats import StatsMixin
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
+from memlm.memory import stored_key_precision
+
+if TYPE_CHECKING:
+    from memlm.engine.protocol import EngineLike
+    from memlm.engine.results import PreparedDocument
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +30,7 @@ log = logging.getLogger(__name__)
 class Engine(
     IngestMixin, GenerateMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin
 ):
-    """Encoder + datastore + memory index of one data directory."""
+    """The encoder and the memory of one data directory, with every operation."""
 
     @classmethod
     def open(
@@ -58,9 +63,9 @@ class Engine(
         when torch sees it.
         """
         if encoder is None and precision == "auto":
-            stored = Datastore.stored_key_precision(Path(data_dir) / "datastore")
+            stored = stored_key_precision(memory_url, Path(data_dir))
             if stored is not None:
-                log.info("precision auto: %s, the precision of the datastore's keys", stored)
+                log.info("precision auto: %s, the precision of the memory's keys", stored)
                 precision = stored
         enc = encoder or Encoder.load(model, threads=threads, precision=precision, device=device)
         pol = make_policy(policy, delta=delta, rate=rate) if isinstance(policy, str) else policy
@@ -79,3 +84,9 @@ class Engine(
             memory_url=memory_url,
             evidence=evidence,
         )
+
+
+if TYPE_CHECKING:  # mypy checks the engine against the contract the service and workers use
+
+    def _contract(engine: Engine) -> EngineLike[PreparedDocument]:
+        return engine

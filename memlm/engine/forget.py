@@ -18,16 +18,13 @@ class ForgetMixin(EngineCore):
         after a crash takes nothing out twice); the snapshot beside the index version
         served now keeps them until the next build, which compacts the datastore (the
         keys leave the disk) and deletes every older index version (see ``rebuild``).
-        ``entries``: the id range the database recorded for it, so that only that range
-        of the datastore is read (``Datastore.delete_document``).
+        ``entries``: the id range the database recorded for it, where the memory gave
+        one, so that only that range is read (``MemoryBackend.delete_document``).
         """
         self._check_writer()
         ids = None if text is None else self.encoder.tokenize(text)
         with self.exclusive(), self._write_lock:
-            if self.on_milvus:  # deleted from the collection: gone for every reader at once
-                hidden = self.memory.delete_document(doc_id)
-            else:
-                hidden = self.datastore.delete_document(doc_id, entries=entries)
+            hidden = self.memory.delete_document(doc_id, entries=entries)
             if ids is not None:
                 self.calibration.forget(ids, doc_id)
         self.heldout.drop_document(doc_id)
@@ -37,10 +34,5 @@ class ForgetMixin(EngineCore):
 
     def hide_documents(self, doc_ids: list[int]) -> int:
         """Stop serving these documents' entries now, before the writer deletes them (a
-        forget requested, not yet applied); see ``MemoryIndex.hide_documents``. On Milvus
-        they are deleted from the collection now (the writer's forget then finds none)."""
-        if self.on_milvus:
-            for d in doc_ids:
-                self.memory.delete_document(d)
-            return len(doc_ids)
-        return self.index.hide_documents(doc_ids)
+        forget requested, not yet applied; ``MemoryBackend.hide_documents``)."""
+        return self.memory.hide_documents(doc_ids)

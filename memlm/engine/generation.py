@@ -168,7 +168,7 @@ class Generation:
         if not cfg.greedy:
             self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(63)
             self.rng = np.random.default_rng(self.seed)
-        self.index_version = engine.index.version
+        self.index_version = engine.served_version  # the memory's, on every backend
         enc = engine.encoder
         keys, hidden, decoding = enc.start([list(context_ids)], cache=True)
         self._decoding = decoding

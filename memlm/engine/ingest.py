@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 
 from memlm.calibrator import TOP_N
-from memlm.datastore import SimulatedCrash
 from memlm.encoder import TokenOutputs
 from memlm.engine.core import EngineCore
 from memlm.engine.results import IngestResult, PreparedDocument
 from memlm.knnlm.policy import Policy, TokenScores
+from memlm.memory import SimulatedCrash
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +80,19 @@ class IngestMixin(EngineCore):
         self._check_writer()
         out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
         n = int(mask.sum())
-        if self.on_milvus:
-            return self._store_milvus(prep, n, crash_at)
         with self.exclusive(), self._write_lock:
-            # Counted once, even when processed again; before the append, so that the
-            # append's commit is the last write here: a full disk then fails the document
-            # with nothing appended, and no rollback (itself a write) is needed.
+            # Counted once, even when processed again; before the put, so that the put is
+            # the last write here: a full disk then fails the document with nothing
+            # stored, and no rollback (itself a write) is needed.
             self.calibration.observe(prep.token_ids, doc_id)
-            first = len(self.datastore)
-            if n:
-                self.datastore.append(
-                    out.keys[mask].astype(np.float16),
-                    out.targets[mask].astype(np.int32),
-                    np.full(n, doc_id, np.int64),
-                    out.positions[mask],
-                    np.full(n, prep.day, np.int32),
-                )
-                self.index.refresh()
-            end = len(self.datastore)
+            span = self.memory.put_document(
+                doc_id, out.keys[mask], out.targets[mask], out.positions[mask], prep.day
+            )
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
-        return IngestResult(len(out), n, first, end)
+        if span is None:  # ids found by document (Milvus): no range to record
+            return IngestResult(len(out), n, None, None)
+        return IngestResult(len(out), n, span.start, span.stop)
 
     def _record_heldout(
         self,
@@ -157,33 +149,6 @@ class IngestMixin(EngineCore):
                 "seen_values": seen_v,
             },
         )
-
-    def _store_milvus(self, prep: PreparedDocument, n: int, crash_at: str | None) -> IngestResult:
-        """Write the document's entries to Milvus (replacing any of an earlier try: the ids
-        are deterministic); no local id range exists, so the result names none."""
-        out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
-        with self._write_lock:
-            if n:
-                self.memory.append(
-                    out.keys[mask],
-                    out.targets[mask],
-                    np.full(n, doc_id, np.int64),
-                    out.positions[mask],
-                    np.full(n, prep.day, np.int32),
-                )
-            else:  # nothing to store: an earlier, killed try may have stored some
-                self.memory.delete_document(doc_id)
-            self.calibration.observe(prep.token_ids, doc_id)
-        if crash_at == "after_append":
-            raise SimulatedCrash("engine: crash after the append, before the caller commits")
-        return IngestResult(len(out), n, None, None)
-
-    def truncate_datastore(self, n: int) -> None:
-        """Roll back entries with ids >= n (their documents were never committed)."""
-        self._check_writer()
-        with self.exclusive(), self._write_lock:
-            self.datastore.truncate(n)
-            self.index.refresh()
 
 
 def seen_view(

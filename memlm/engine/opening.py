@@ -124,9 +124,6 @@ def reconcile_index(
     start-up queues it again and it is rebuilt from the datastore as it is now, this time
     with its calibrator step and its record (an adopted directory may lack both).
     """
-    reconcile = getattr(engine, "reconcile_index", None)
-    if reconcile is None:  # an engine without versioned directories (the fake)
-        return []
     with contextlib.ExitStack() as held:
         if delete:
             try:  # the records are read under the lock: a build finishing now is kept
@@ -135,7 +132,7 @@ def reconcile_index(
                 delete = False
         with sessions() as s:
             recorded = BuildRepository(s).recorded_versions()
-        orphans: list[int] = reconcile(recorded, delete=delete)
+        orphans = engine.reconcile_index(recorded, delete=delete)
     for v in orphans:
         if delete:
             log.warning("deleted index version %d: no build record names it", v)

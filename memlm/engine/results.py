@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from memlm.encoder import TokenOutputs
-from memlm.index import BuildInfo
 from memlm.knnlm.words import WordSuggestion
+from memlm.memory import BuildInfo
 
 
 @dataclass(frozen=True)

@@ -10,58 +10,14 @@ from memlm.engine.core import EngineCore
 class StatsMixin(EngineCore):
     """``stats``: memory, index, served interpolation and calibrator."""
 
-    def _index_ram_bytes(self, idx: dict[str, Any]) -> int:
-        """Vectors the served index holds in RAM: float32 for exact parts, codes for PQ."""
-        info = self.index._state.info
-        fresh = int(idx["fresh_entries"]) * (4 * self.encoder.dim + 8)
-        built = int(idx["built_entries"])
-        if info is None or info.params.kind == "flat":
-            return fresh + built * (4 * self.encoder.dim + 8)
-        return fresh + built * (info.params.m + 8)
-
     def stats(self) -> dict[str, Any]:
-        if self.on_milvus:
-            return self._stats_milvus()
-        ds = self.datastore.stats()
-        idx = self.index.stats()
-        index_bytes = (
-            sum(f.stat().st_size for f in (self.data_dir / "index").rglob("*") if f.is_file())
-            if (self.data_dir / "index").exists()
-            else 0
-        )
+        """The memory's own figures (``MemoryBackend.stats``) and what the engine serves."""
         return {
-            "backend": "faiss",
-            "entries": ds["live_entries"],
-            "datastore_entries": ds["entries"],
-            "datastore_rows": ds["rows"],
-            "deleted_documents": ds["deleted_documents"],
-            "bytes_reclaimed": ds["bytes_reclaimed"],
-            "bytes_on_disk": ds["bytes_on_disk"] + index_bytes,
-            "bytes_in_ram": self._index_ram_bytes(idx),
-            "index_version": self.index.version,
-            "index": idx,
+            **self.memory.stats(),
+            "index_version": self.served_version,
             "model": self.encoder.name,
             "device": str(self.encoder.device),
             "precision": self.encoder.precision,  # of the transformer (MEMLM_PRECISION)
-            "policy": self.policy.name,
-            "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
-            "interpolation": self.served.to_json(),
-            "calibrator": self._calibrator_stats(),
-        }
-
-    def _stats_milvus(self) -> dict[str, Any]:
-        """The collection's own count and index; no local files hold entries."""
-        mem = self.memory.stats()
-        return {
-            "backend": "milvus",
-            "entries": mem["entries"],
-            "datastore_entries": mem["entries"],  # no local files: the collection's count
-            "bytes_on_disk": None,
-            "bytes_in_ram": None,
-            "memory": mem,
-            "index_version": None,
-            "index": mem["index"],
-            "model": self.encoder.name,
             "policy": self.policy.name,
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
             "interpolation": self.served.to_json(),

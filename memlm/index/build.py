@@ -306,7 +306,10 @@ def _full(
         reason=reason,
         trained_entries=len(live),
         added=len(live),
-        **stamp,
+        upto=stamp["upto"],
+        generation=stamp["generation"],
+        dim=stamp["dim"],
+        deleted_documents=stamp["deleted_documents"],
     )
     publish(root, index, info, crash_at)
     return info
@@ -375,7 +378,10 @@ def _incremental(
         added=added,
         removed=removed,
         remove_seconds=remove_s,
-        **stamp,
+        upto=stamp["upto"],
+        generation=stamp["generation"],
+        dim=stamp["dim"],
+        deleted_documents=stamp["deleted_documents"],
     )
     publish(root, index, info, crash_at)
     return info

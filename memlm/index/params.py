@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +127,9 @@ class BuildInfo:
     added: int = 0  # entries added by this build (all of them for a full one)
     removed: int = 0  # entries an incremental build removed from its copy
     remove_seconds: float = 0.0
+    # what a memory whose index lives elsewhere did (Milvus: flush, compaction, index
+    # re-created or not and how long the collection was unavailable), in the build record
+    details: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -143,6 +146,8 @@ class BuildInfo:
             add_seconds=round(self.add_seconds, 3),
             remove_seconds=round(self.remove_seconds, 3),
         )
+        if self.details:
+            out["details"] = dict(self.details)
         return out
 
     @classmethod

@@ -167,15 +167,20 @@ def load_version(root: Path, version: int) -> tuple[faiss.Index, BuildInfo]:
     return index, info
 
 
-def publish(root: Path, index: faiss.Index, info: BuildInfo, crash_at: str | None) -> None:
+def publish(root: Path, index: faiss.Index | None, info: BuildInfo, crash_at: str | None) -> None:
     """Write ``index`` and ``info`` into ``root/tmp-...``, fsync, rename it to
     ``info.path`` and atomically point CURRENT at it. A crash at any step leaves CURRENT
-    naming the old version (or, after the last rename, the new one, complete)."""
+    naming the old version (or, after the last rename, the new one, complete).
+
+    ``index`` None: a record only (a memory whose index lives elsewhere, Milvus)."""
     tmp = root / f"tmp-{info.path.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    faiss.write_index(index, str(tmp / INDEX_FILE))
+    tmp.mkdir(parents=True)
+    names = [META_FILE]
+    if index is not None:
+        faiss.write_index(index, str(tmp / INDEX_FILE))
+        names.append(INDEX_FILE)
     (tmp / META_FILE).write_text(json.dumps(info.to_json(), indent=1), encoding="utf-8")
-    for name in (INDEX_FILE, META_FILE):
+    for name in names:
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
     fsync_dir(tmp)

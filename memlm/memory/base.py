@@ -2,16 +2,29 @@
 
 Two implementations: ``faiss`` (the embedded files: datastore segments, versioned IVF-PQ
 and the fresh exact index) and ``milvus`` (a Milvus standalone or Distributed server).
+Callers never ask which one serves: where the two differ, the difference is a method
+here (with a harmless default where one of them has nothing to do), the way starlette's
+authentication backends or LlamaIndex's vector stores are plugged in.
+
+Every memory keeps the records of its builds as version directories under ``root``
+(``v000042/meta.json``, the ``CURRENT`` pointer; the faiss memory's also hold the index
+file), and the engine saves the interpolation chosen at a build beside its record, so
+the served interpolation follows the served version on every backend.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from memlm.index import IndexParams
+from memlm.datastore import Compaction
+from memlm.index import BuildInfo, IndexParams
 
 
 class Neighbours(NamedTuple):
@@ -39,14 +52,73 @@ class Provenance(NamedTuple):
     days: npt.NDArray[np.int32]
 
 
+class Recovered(NamedTuple):
+    """Entries the memory held before and after a start-up :meth:`MemoryBackend.recover`."""
+
+    before: int
+    after: int
+
+
+class MemoryBehind(RuntimeError):
+    """The memory holds less than the database says its committed documents stored: the
+    data directory (or the collection) is not this database's."""
+
+
+class Committed(Protocol):
+    """What the database committed, as a memory's rollback asks it (the ingest worker
+    answers from its repositories)."""
+
+    def end(self) -> int:
+        """The end of the committed documents' entry ranges (0 when none has one)."""
+        ...
+
+    def holds(self, doc_ids: Sequence[int]) -> set[int]:
+        """Those of ``doc_ids`` whose entries must stay: done, or claimed by another
+        live worker (its try may still commit)."""
+        ...
+
+
 @runtime_checkable
 class MemoryBackend(Protocol):
-    """A kNN-LM memory: entries (key -> value) with provenance (document, position, day)."""
+    """A kNN-LM memory: entries (key -> value) with provenance (document, position, day).
+
+    A writer process writes through ``writer()``, ``put_document``, ``rollback``,
+    ``recover``, ``delete_document``, ``compact``, ``build`` and ``prune``; every process
+    reads through ``search``, ``provenance``, ``count`` and follows the others with
+    ``refresh`` (entries) and ``reload`` / ``reconcile`` (built versions).
+    """
 
     name: str  # "faiss" or "milvus": what /admin/stats reports
+    # where ``build(crash_at=...)`` may stop, in order (tests kill a build at each)
+    build_crash_points: tuple[str, ...]
 
     @property
     def dim(self) -> int: ...
+
+    @property
+    def root(self) -> Path:
+        """The directory of the build records (``v000042/``, ``CURRENT``); the engine keeps
+        each version's interpolation and calibrator beside its record."""
+        ...
+
+    @property
+    def served_version(self) -> int | None:
+        """The built version served now (None before the first build)."""
+        ...
+
+    @property
+    def deleted_documents(self) -> int:
+        """Documents deleted so far (never decreases): a version built when fewer were
+        deleted may hold traces of one (keys, statistics), and ``prune`` removes it."""
+        ...
+
+    # --- writing ------------------------------------------------------------------------
+
+    def writer(self) -> AbstractContextManager[None]:
+        """The block in which this process is the memory's one writer, with the others'
+        writes visible. Default: nothing to hold (a memory whose writes by document need
+        no turns)."""
+        return contextlib.nullcontext()
 
     def append(
         self,
@@ -59,16 +131,73 @@ class MemoryBackend(Protocol):
         """Store entries durably and make them searchable; returns their ids."""
         ...
 
+    def put_document(
+        self,
+        doc_id: int,
+        keys: npt.ArrayLike,  # (n, dim) float32
+        values: npt.ArrayLike,  # (n,) next-token ids
+        positions: npt.ArrayLike,  # (n,) token positions
+        day: int,
+    ) -> range | None:
+        """Store one document's entries (n may be 0), durably and searchable; returns the
+        id range that holds them for the database to record, or None where ids are not a
+        range (they are then found by document). Call it inside ``writer()`` after
+        ``rollback``: an earlier, uncommitted try of the document is not stored twice."""
+        ...
+
+    def rollback(self, committed: Committed, document: int | None = None) -> int:
+        """Take out entries of tries the database did not commit: everything past the
+        committed end, or ``document``'s entries unless the database holds them (a try of
+        it that failed). Cheap: called around every document. Returns how many left."""
+        ...
+
+    def recover(self, committed: Committed) -> Recovered:
+        """At a writer's start: take out every entry that no committed document (or live
+        worker's claim) owns. Raises ``MemoryBehind`` when the memory holds less than
+        was committed."""
+        ...
+
+    def delete_document(self, doc_id: int, *, entries: range | None = None) -> int:
+        """Forget a document: its entries leave every later search and build (``entries``:
+        the id range the database recorded, where the memory gave one). Returns how many
+        it held (0 when none: forgetting again is harmless)."""
+        ...
+
+    def hide_documents(self, doc_ids: Sequence[int]) -> int:
+        """Stop serving these documents' entries now, before the writer's
+        ``delete_document`` (a forget accepted by another process)."""
+        ...
+
+    def compact(self, *, crash_at: str | None = None) -> Compaction:
+        """Remove deleted documents' rows from storage. Default: nothing to do (a memory
+        that compacts in ``build``)."""
+        return Compaction(0, 0, 0)
+
+    def build(
+        self,
+        params: IndexParams | None = None,
+        *,
+        retrain: bool = False,
+        crash_at: str | None = None,
+    ) -> BuildInfo:
+        """Build the approximate index over the live entries and publish a new version
+        record (``CURRENT`` names it; this process serves it after ``reload``).
+        ``retrain``: train the quantizer again instead of building on the current one."""
+        ...
+
+    def prune(self, keep: int = 3) -> list[Path]:
+        """Delete old version records: all but the newest ``keep``, and every one built
+        before a later document deletion. Only the single builder calls it."""
+        ...
+
+    # --- reading ------------------------------------------------------------------------
+
     def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
         """The k nearest live entries of each query (one batched call for all rows)."""
         ...
 
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         """Document, position and day of each (valid) entry id."""
-        ...
-
-    def delete_document(self, doc_id: int) -> int:
-        """Remove a document's entries from every later search; returns how many."""
         ...
 
     def count(self) -> int:
@@ -80,12 +209,21 @@ class MemoryBackend(Protocol):
         (0 where the backend does not know: Milvus shows them by itself)."""
         ...
 
-    def build(self, params: IndexParams | None = None) -> dict[str, Any]:
-        """(Re)build the approximate index over the live entries; returns what was done."""
+    def reload(self) -> bool:
+        """Serve the version ``CURRENT`` names if another process built one; returns
+        whether the served version changed."""
+        ...
+
+    def reconcile(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Serve the newest version the database recorded; returns the versions it did not
+        record (orphans of builds killed before their record), which ``delete`` (the
+        builder, holding the build lock) removes."""
         ...
 
     def stats(self) -> dict[str, Any]:
-        """``backend``, ``entries`` (== ``count()``) and backend-specific details."""
+        """``backend``, ``entries`` (== ``count()``), ``datastore_entries`` (entries the
+        storage holds, deleted ones included), ``bytes_on_disk`` and ``bytes_in_ram``
+        (None where the memory is not local), ``index`` and backend-specific details."""
         ...
 
     def close(self) -> None: ...

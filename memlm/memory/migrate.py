@@ -64,7 +64,7 @@ def migrate_faiss_to_milvus(
             copied += int(live.sum())
             if progress is not None:
                 progress(copied, source)
-        info = target.build() if build else None
+        info = target.build_index() if build else None
         held = target.count()
         if copied != source or held != source:
             raise MigrationMismatch(

@@ -1,524 +1,218 @@
-"""The ``milvus`` memory: one Milvus collection per memory, through ``pymilvus``.
+"""The ``milvus`` memory: a Milvus collection (:mod:`memlm.memory.milvus_collection`) with
+what the engine asks of every memory (:class:`~memlm.memory.base.MemoryBackend`).
 
-Collection ``<name>``: ``id`` (INT64 primary key), ``value`` (next token), ``doc_id``,
-``position``, ``day`` and ``key`` (FLOAT_VECTOR: Milvus 2.3 has no float16 vectors).
-
-- Entry ids are deterministic, ``doc_id * 2**24 + position``, and a document's entries are
-  written in one ``append`` that first deletes whatever the document held, then upserts:
-  writing a document again (a worker killed between its insert and its database commit,
-  then the retry) replaces its entries instead of adding a second copy.
-- New entries are searchable through Milvus's growing segments (scanned exactly) as soon
-  as the query node consumed them (~0.2 s, one time tick); ``build`` flushes, so they are
-  sealed and indexed, and compacts away deleted rows.
-- Sealed segments are indexed separately by Milvus: FLAT below ``FLAT_THRESHOLD`` live
-  entries, else IVF_PQ with ``IndexParams.for_size`` of the rows of one segment (the
-  lists must be filled from one segment's rows) and the same nprobe as the faiss memory.
-- The exact re-rank of the faiss memory is skipped by default (``rerank=False``): the
-  distances of IVF_PQ hits are PQ approximations; ``rerank=True`` fetches
-  ``rerank_factor * k`` candidates with their stored keys and orders them exactly
-  (recall and cost of both: benchmarks/bench_memory_backends.py).
+- The records of its builds live in the data directory (``root``: ``index/v000042/
+  meta.json`` and ``CURRENT``, as the faiss memory's versions, without an index file),
+  so the interpolation chosen at a build is saved beside its record and served with it.
+  A build flushes, compacts and (when the size or ``retrain`` asks) re-creates the
+  collection's index, then publishes the record; a crash before the record leaves the
+  previous version served, and the build runs again.
+- A document's ``put_document`` replaces whatever an earlier try of it stored (the ids
+  are deterministic), so writers need no turns (``writer()`` holds nothing), and
+  ``rollback`` has only a failed try's document to delete.
+- Milvus keeps no tombstones: forgetting deletes at once, and the documents deleted so
+  far are counted beside the records (``prune`` drops versions older than a deletion).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
-import math
-import threading
-import time
-import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from memlm.index import FLAT_THRESHOLD, IndexParams
-from memlm.memory.base import Neighbours, Provenance, empty_neighbours
+from memlm.datastore import SimulatedCrash
+from memlm.index import BuildInfo, IndexParams, current_version, prune
+from memlm.index.versions import next_version, publish, version_name
+from memlm.memory.base import Committed, MemoryBackend, Recovered
+from memlm.memory.milvus_client import MilvusException, MilvusMemoryError, entry_ids, mapped
+from memlm.memory.milvus_collection import MilvusCollection
 from memlm.memory.url import MilvusURL
-from memlm.unavailable import MemoryUnavailable
+from memlm.memory.versions import DeletedCount, reconcile_versions
 
-with warnings.catch_warnings():  # pymilvus 2.4 imports pkg_resources, deprecated
-    warnings.simplefilter("ignore", DeprecationWarning)
-    # pymilvus imports pkg_resources, which warns (a UserWarning from setuptools 80)
-    warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
-    import grpc
-    from pymilvus import (
-        Collection,
-        CollectionSchema,
-        DataType,
-        FieldSchema,
-        MilvusException,
-        connections,
-        utility,
-    )
-    from pymilvus.exceptions import (
-        ConnectError,
-        ConnectionNotExistException,
-        MilvusUnavailableException,
-    )
+__all__ = [
+    "BUILD_CRASH_POINTS",
+    "MilvusException",
+    "MilvusMemory",
+    "MilvusMemoryError",
+    "entry_ids",
+]
 
 log = logging.getLogger(__name__)
 
-POSITION_BITS = 24  # positions < 16.7M tokens per document; doc ids < 2**39
-MAX_POSITION = 1 << POSITION_BITS
-MAX_DOC_ID = 1 << (63 - POSITION_BITS)
-# Rows per insert call: ~19 MB of float32 keys at d=576, under gRPC's 64 MB message limit.
-INSERT_BATCH = 8192
-# Query vectors per search call (Milvus accepts up to 16,384; results must fit a message).
-SEARCH_BATCH = 1024
-MAX_TOPK = 16384  # Milvus's limit on k
-# Rows of a sealed segment: Milvus's default segment.maxSize (512 MB) of raw float32 keys.
-SEGMENT_BYTES = 512 * 1024 * 1024
-FORMAT = "memlm-memory v1"
-_aliases = itertools.count()
+BUILD_CRASH_POINTS = (
+    "after_add",  # the collection flushed, compacted and indexed; no record written
+    "after_write",  # tmp-... record complete and fsynced, not renamed
+    "after_rename",  # v000042 in place, CURRENT still names the old version
+    "before_current",  # CURRENT's temp file written, not renamed over CURRENT
+)
 
 
-class MilvusMemoryError(RuntimeError):
-    """The collection exists but is not a memlm memory of this dimension."""
+class MilvusMemory(MilvusCollection, MemoryBackend):
+    """A memory in one Milvus collection; ``root``: where its build records live (None:
+    the collection alone, for tools that copy or index it: ``build_index``)."""
 
+    build_crash_points = BUILD_CRASH_POINTS
 
-_AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_F = TypeVar("_F", bound=Callable[..., Any])
+    def __init__(self, url: MilvusURL, dim: int | None, root: Path | None = None) -> None:
+        super().__init__(url, dim)
+        self._root = None if root is None else Path(root)
+        self._deleted = DeletedCount(self._root)
+        self._served = None if self._root is None else current_version(self._root)
 
-
-def _server_away(exc: BaseException) -> bool:
-    """Whether a pymilvus failure says the server cannot be reached (killed, restarting,
-    hung past the call's timeout), not that the request was wrong."""
-    if isinstance(exc, ConnectError | MilvusUnavailableException | ConnectionNotExistException):
-        return True
-    code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
-    if code in _AWAY_CODES:
-        return True
-    # pymilvus's retry loop ends with a MilvusException naming the gRPC code in its text
-    text = str(exc)
-    return "Retry timeout" in text or "Fail connecting" in text or "UNAVAILABLE" in text
-
-
-def _mapped(fn: _F) -> _F:
-    """Raise ``MemoryUnavailable`` (503 in the API, a paused retry in the worker) where
-    ``fn`` failed because the Milvus server is away; other failures stay as they are."""
-
-    @functools.wraps(fn)
-    def call(self: MilvusMemory, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except (MilvusException, grpc.RpcError) as exc:
-            if not _server_away(exc):
-                raise
-            where = f"{self.url.host}:{self.url.port}"
-            raise MemoryUnavailable(f"the Milvus server at {where} is unavailable") from exc
-
-    return call  # type: ignore[return-value]
-
-
-def entry_ids(documents: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    """The deterministic id of each (document, position) entry."""
-    docs = np.asarray(documents, np.int64)
-    pos = np.asarray(positions, np.int64)
-    if docs.size and (docs.min() < 0 or docs.max() >= MAX_DOC_ID):
-        raise ValueError(f"document ids must be in [0, 2**{63 - POSITION_BITS})")
-    if pos.size and (pos.min() < 0 or pos.max() >= MAX_POSITION):
-        raise ValueError(f"positions must be in [0, 2**{POSITION_BITS})")
-    return (docs << POSITION_BITS) | pos
-
-
-def milvus_index(params: IndexParams) -> dict[str, Any]:
-    """The Milvus index of ``params`` (FLAT or IVF_PQ, squared L2 as faiss)."""
-    if params.kind == "flat":
-        return {"index_type": "FLAT", "metric_type": "L2", "params": {}}
-    return {
-        "index_type": "IVF_PQ",
-        "metric_type": "L2",
-        "params": {"nlist": params.nlist, "m": params.m, "nbits": params.nbits},
-    }
-
-
-class MilvusMemory:
-    """A memory in one Milvus collection (see the module docstring)."""
-
-    name = "milvus"
-
-    def __init__(self, url: MilvusURL, dim: int | None) -> None:
-        self.url = url
-        # pymilvus bounds its retries of a failed call by ``timeout`` only when it is an
-        # int; a float means 75 retries (about 3.5 minutes against a dead server)
-        self.timeout = max(1, math.ceil(url.timeout))
-        self.alias = f"memlm-{next(_aliases)}-{id(self):x}"
-        connections.connect(alias=self.alias, host=url.host, port=url.port, timeout=url.timeout)
-        self.server_version = str(utility.get_server_version(using=self.alias))
-        self._lock = threading.Lock()  # build() vs itself; searches never wait for it
-        if utility.has_collection(url.collection, using=self.alias, timeout=self.timeout):
-            self.collection = Collection(url.collection, using=self.alias)
-            self.dim = self._check_schema(dim)
-        else:
-            if dim is None:
-                raise MilvusMemoryError(f"collection {url.collection!r} does not exist")
-            self.dim = int(dim)
-            self.collection = self._create()
-        self.params = self._index_params()
-        self.collection.load(timeout=self.timeout)
-
-    # --- schema --------------------------------------------------------------------------
-
-    def _create(self) -> Collection:
-        fields = [
-            FieldSchema("id", DataType.INT64, is_primary=True, auto_id=False),
-            FieldSchema("value", DataType.INT32),
-            FieldSchema("doc_id", DataType.INT64),
-            FieldSchema("position", DataType.INT32),
-            FieldSchema("day", DataType.INT32),
-            FieldSchema("key", DataType.FLOAT_VECTOR, dim=self.dim),
-        ]
-        schema = CollectionSchema(fields, description=f"{FORMAT} dim={self.dim}")
-        coll = Collection(self.url.collection, schema, using=self.alias, timeout=self.timeout)
-        coll.create_index("key", milvus_index(IndexParams.exact()), timeout=self.timeout)
-        log.info("created Milvus collection %s (dim %d)", self.url, self.dim)
-        return coll
-
-    def _check_schema(self, dim: int | None) -> int:
-        schema = self.collection.schema
-        names = [f.name for f in schema.fields]
-        if names != ["id", "value", "doc_id", "position", "day", "key"]:
+    @property
+    def root(self) -> Path:
+        if self._root is None:
             raise MilvusMemoryError(
-                f"collection {self.url.collection!r} is not a memlm memory (fields {names})"
+                f"{self.url} was opened without a data directory: it keeps no build records"
             )
-        have = int(schema.fields[-1].params["dim"])
-        if dim is not None and have != dim:
-            raise MilvusMemoryError(
-                f"collection {self.url.collection!r} holds dim {have} keys, the model has {dim}"
-            )
-        return have
+        return self._root
 
-    def _index_params(self) -> IndexParams:
-        """The served index as ``IndexParams`` (nprobe as ``params_for`` chooses it)."""
-        if not self.collection.has_index(timeout=self.timeout):
-            return IndexParams.exact()
-        p = self.collection.index().params
-        if p.get("index_type") != "IVF_PQ":
-            return IndexParams.exact()
-        raw = p.get("params", {})
-        nlist, m, nbits = int(raw["nlist"]), int(raw["m"]), int(raw.get("nbits", 8))
-        nprobe = min(64, max(16, nlist // 128))  # IndexParams.for_size's rule
-        return IndexParams(kind="ivfpq", nlist=nlist, m=m, nbits=nbits, nprobe=nprobe)
+    @property
+    def served_version(self) -> int | None:
+        return self._served
 
-    def segment_rows(self) -> int:
-        return SEGMENT_BYTES // (4 * self.dim + 24)
+    @property
+    def deleted_documents(self) -> int:
+        return self._deleted.value
 
-    def params_for(self, n: int) -> IndexParams:
-        """FLAT below the faiss memory's threshold, else IVF_PQ sized to one segment."""
-        if n < FLAT_THRESHOLD:
-            return IndexParams.exact()
-        return IndexParams.for_size(max(FLAT_THRESHOLD, min(n, self.segment_rows())), self.dim)
+    # --- writing -----------------------------------------------------------------------
 
-    # --- writing ---------------------------------------------------------------------------
-
-    @_mapped
-    def append(
+    def put_document(
         self,
+        doc_id: int,
         keys: npt.ArrayLike,
         values: npt.ArrayLike,
-        documents: npt.ArrayLike,
         positions: npt.ArrayLike,
-        days: npt.ArrayLike,
-    ) -> npt.NDArray[np.int64]:
-        """Write entries (all of each of their documents): the documents' earlier entries
-        are deleted first, then these are upserted; returns their deterministic ids."""
-        docs = np.asarray(documents, np.int64)
-        self._check(keys, values, docs, positions, days)
-        uniq = np.unique(docs)
-        if len(uniq):
-            self._delete_expr(f"doc_id in {uniq.tolist()}")
-        return self.upsert(keys, values, docs, positions, days)
+        day: int,
+    ) -> None:
+        """Replace the document's entries by these (ids ``doc_id * 2**24 + position``)."""
+        n = len(np.asarray(values))
+        if n:
+            self.append(keys, values, np.full(n, doc_id, np.int64), positions, np.full(n, day))
+        else:  # nothing to store: an earlier, killed try may have stored some
+            self._delete_by_document(doc_id)
+        return None
 
-    def _check(
-        self,
-        keys: npt.ArrayLike,
-        values: npt.ArrayLike,
-        documents: npt.ArrayLike,
-        positions: npt.ArrayLike,
-        days: npt.ArrayLike,
-    ) -> npt.NDArray[np.int64]:
-        k = np.asarray(keys)
-        n = len(k)
-        if k.ndim != 2 or k.shape[1] != self.dim:
-            raise ValueError(f"keys: expected shape (n, {self.dim}), got {k.shape}")
-        if not (len(values) == len(documents) == len(positions) == len(days) == n):  # type: ignore[arg-type]
-            raise ValueError("keys, values, documents, positions and days differ in length")
-        ids = entry_ids(documents, positions)
-        if len(np.unique(ids)) != n:
-            raise ValueError("two entries with the same (document, position)")
-        return ids
+    @mapped
+    def _delete_by_document(self, doc_id: int) -> int:
+        return self._delete_expr(f"doc_id == {int(doc_id)}")
 
-    @_mapped
-    def upsert(
-        self,
-        keys: npt.ArrayLike,
-        values: npt.ArrayLike,
-        documents: npt.ArrayLike,
-        positions: npt.ArrayLike,
-        days: npt.ArrayLike,
-    ) -> npt.NDArray[np.int64]:
-        """Insert or replace entries by their deterministic ids (idempotent); a document may
-        span several calls (``migrate``); returns the ids."""
-        ids = self._check(keys, values, documents, positions, days)
-        k = np.ascontiguousarray(keys, dtype=np.float32)
-        cols = [np.asarray(c, np.int64) for c in (values, documents, positions, days)]
-        for a in range(0, len(k), INSERT_BATCH):
-            b = min(len(k), a + INSERT_BATCH)
-            self.collection.upsert(
-                [ids[a:b].tolist(), *(c[a:b].tolist() for c in cols), k[a:b]],
-                timeout=self.timeout,
-            )
-        return ids
+    def rollback(self, committed: Committed, document: int | None = None) -> int:
+        """Delete ``document``'s entries unless the database holds them (done, or another
+        worker's try); without a document nothing can be left behind: a put replaces its
+        document's earlier entries."""
+        if document is None or document in committed.holds([document]):
+            return 0
+        return self.delete_entries(document)
 
-    def _delete_expr(self, expr: str) -> int:
-        res = self.collection.delete(expr, timeout=self.timeout)
-        return int(res.delete_count)
+    def recover(self, committed: Committed) -> Recovered:
+        """Delete the entries of documents that are neither done nor claimed by a live
+        worker (a worker killed between its insert and its commit left them)."""
+        before = self.count()
+        held = self.documents()
+        keep = sorted(committed.holds(held.tolist()))
+        dropped = int(self.delete_documents_except(keep, held))
+        if dropped:
+            log.warning("deleted %d Milvus entries of uncommitted documents", dropped)
+        return Recovered(before, before - dropped)
 
-    @_mapped
-    def delete_document(self, doc_id: int) -> int:
-        """Delete a document's entries; returns how many it held (0 when none)."""
-        doc_id = int(doc_id)
-        held = self._count(f"doc_id == {doc_id}")
-        if held:
-            self._delete_expr(f"doc_id == {doc_id}")
+    def delete_document(self, doc_id: int, *, entries: range | None = None) -> int:
+        """Delete the document's entries (``entries`` is not needed: they are found by
+        document) and count the deletion, also when another process's hide deleted
+        them first."""
+        held = self.delete_entries(doc_id)
+        self._deleted.add()
         return held
 
-    @_mapped
-    def delete_documents_except(self, keep: npt.ArrayLike, documents: npt.ArrayLike) -> int:
-        """Delete the entries of ``documents`` that are not in ``keep`` (cleanup of entries
-        whose documents never committed); returns how many were deleted."""
-        drop = np.setdiff1d(np.asarray(documents, np.int64), np.asarray(keep, np.int64))
-        total = 0
-        for a in range(0, len(drop), 1000):
-            part = drop[a : a + 1000].tolist()
-            n = self._count(f"doc_id in {part}")
-            if n:
-                self._delete_expr(f"doc_id in {part}")
-                total += n
-        return total
+    def hide_documents(self, doc_ids: Sequence[int]) -> int:
+        """Deleted now: Milvus has no tombstone to wait for (the writer's forget then
+        finds none and counts the deletion)."""
+        for d in doc_ids:
+            self.delete_entries(d)
+        return len(doc_ids)
 
-    # --- reading ---------------------------------------------------------------------------
-
-    def _count(self, expr: str = "") -> int:
-        res = self.collection.query(
-            expr, output_fields=["count(*)"], consistency_level="Strong", timeout=self.timeout
+    def build(
+        self,
+        params: IndexParams | None = None,
+        *,
+        retrain: bool = False,
+        crash_at: str | None = None,
+    ) -> BuildInfo:
+        """Index the collection (``build_index``) and publish its version record."""
+        if crash_at is not None and crash_at not in BUILD_CRASH_POINTS:
+            raise ValueError(f"crash_at must be one of {BUILD_CRASH_POINTS}, got {crash_at!r}")
+        root = self.root
+        root.mkdir(parents=True, exist_ok=True)
+        deleted = self.deleted_documents  # read first: a later deletion prunes this one
+        base = self._record(current_version(root))
+        done = self.build_index(params, retrain=retrain)
+        if crash_at == "after_add":
+            raise SimulatedCrash(crash_at)
+        n, recreated = int(done["entries"]), bool(done["index_recreated"])
+        if recreated:
+            mode, reason, trained = "full", "index re-created", n
+        else:
+            mode, reason = "incremental", "Milvus indexed the new segments"
+            trained = n if base is None else (base.trained_entries or base.entries)
+        version = next_version(root)
+        info = BuildInfo(
+            version=version,
+            entries=n,
+            upto=n,
+            params=self.params,
+            train_seconds=0.0,
+            add_seconds=float(done["seconds"]),
+            path=root / version_name(version),
+            dim=self.dim,
+            deleted_documents=deleted,
+            mode=mode,
+            reason=reason,
+            base_version=None if base is None else base.version,
+            trained_entries=trained,
+            details={k: v for k, v in done.items() if k not in ("backend", "entries", "params")},
         )
-        return int(res[0]["count(*)"]) if res else 0
+        publish(root, None, info, crash_at)
+        return info
 
-    @_mapped
-    def count(self) -> int:
-        """Live entries (deleted ones excluded), as of now (strong consistency)."""
-        return self._count()
-
-    @_mapped
-    def documents(self) -> npt.NDArray[np.int64]:
-        """The distinct document ids that hold entries (reads the doc_id column)."""
-        out: set[int] = set()
-        it = self.collection.query_iterator(
-            batch_size=16384, expr="", output_fields=["doc_id"], consistency_level="Strong"
-        )
+    def _record(self, version: int | None) -> BuildInfo | None:
+        if version is None:
+            return None
         try:
-            while True:
-                page = it.next()
-                if not page:
-                    break
-                out.update(int(r["doc_id"]) for r in page)
-        finally:
-            it.close()
-        return np.array(sorted(out), dtype=np.int64)
+            return BuildInfo.read(self.root / version_name(version))
+        except (OSError, ValueError, TypeError):
+            return None
 
-    def entries(
-        self, batch_size: int = 2048
-    ) -> Iterator[
-        tuple[
-            npt.NDArray[np.float32],
-            npt.NDArray[np.int32],
-            npt.NDArray[np.int64],
-            npt.NDArray[np.int32],
-            npt.NDArray[np.int32],
-        ]
-    ]:
-        """Every entry, a page at a time: (keys float32 (n, dim), values, documents,
-        positions, days), as stored (a backup reads them; ``upsert`` writes them back).
+    def prune(self, keep: int = 3) -> list[Path]:
+        return prune(self.root, keep=keep, deleted_documents=self.deleted_documents)
 
-        2048 rows a page: 4.7 MB of keys at d=576, well inside a gRPC message."""
-        it = self.collection.query_iterator(
-            batch_size=batch_size,
-            expr="",
-            output_fields=["value", "doc_id", "position", "day", "key"],
-            consistency_level="Strong",
-            timeout=self.timeout,
-        )
-        try:
-            while page := it.next():
-                yield (
-                    np.array([r["key"] for r in page], np.float32).reshape(-1, self.dim),
-                    np.array([r["value"] for r in page], np.int32),
-                    np.array([r["doc_id"] for r in page], np.int64),
-                    np.array([r["position"] for r in page], np.int32),
-                    np.array([r["day"] for r in page], np.int32),
-                )
-        finally:
-            it.close()
+    # --- reading -----------------------------------------------------------------------
 
-    @_mapped
-    def refresh(self) -> int:
-        """Follow an index another process re-created (a build); the query nodes follow
-        inserts by themselves (growing segments), so nothing else is read. Returns 0."""
-        served = self._index_params()
-        if milvus_index(served) != milvus_index(self.params):
-            self.params = served
-        return 0
+    def reload(self) -> bool:
+        """Follow an index another process re-created and the version it recorded."""
+        self.refresh()
+        version = None if self._root is None else current_version(self._root)
+        if version == self._served:
+            return False
+        self._served = version
+        return True
 
-    @_mapped
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        if q.ndim != 2 or q.shape[1] != self.dim:
-            raise ValueError(f"queries: expected shape (nq, {self.dim}), got {q.shape}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        nq = len(q)
-        out = empty_neighbours(nq, k)
-        if nq == 0:
-            return out
-        p = self.params
-        rerank = self.url.rerank and p.kind == "ivfpq"
-        fetch = min(MAX_TOPK, k * p.rerank_factor if rerank else k)
-        param = {"metric_type": "L2", "params": {"nprobe": p.nprobe} if p.kind == "ivfpq" else {}}
-        fields = ["value", "key"] if rerank else ["value"]
-        for a in range(0, nq, SEARCH_BATCH):
-            res = self.collection.search(
-                q[a : a + SEARCH_BATCH],
-                "key",
-                param,
-                limit=fetch,
-                output_fields=fields,
-                consistency_level=self.url.consistency,
-                timeout=self.timeout,
-            )
-            for r, hits in enumerate(res):
-                m = len(hits)
-                if not m:
-                    continue
-                ids = np.fromiter(hits.ids, np.int64, m)
-                dist = np.fromiter(hits.distances, np.float32, m)
-                vals = np.fromiter((h.entity.get("value") for h in hits), np.int32, m)
-                if rerank:
-                    keys = np.array([h.entity.get("key") for h in hits], np.float32)
-                    diff = keys - q[a + r]
-                    dist = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
-                    order = np.argsort(dist, kind="stable")[:k]
-                    ids, dist, vals = ids[order], dist[order], vals[order]
-                w = min(k, len(ids))
-                out.distances[a + r, :w] = dist[:w]
-                out.ids[a + r, :w] = ids[:w]
-                out.values[a + r, :w] = vals[:w]
-        return out
+    def reconcile(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        if self._root is None:
+            return []
+        orphans, self._served = reconcile_versions(self._root, recorded, delete=delete)
+        return orphans
 
-    @_mapped
-    def provenance(self, ids: npt.ArrayLike) -> Provenance:
-        want = np.asarray(ids, np.int64).reshape(-1)
-        docs = np.full(len(want), -1, np.int64)
-        pos = np.full(len(want), -1, np.int64)
-        days = np.full(len(want), -1, np.int32)
-        if not len(want):
-            return Provenance(docs, pos, days)
-        rows = self.collection.query(
-            f"id in {np.unique(want).tolist()}",
-            output_fields=["doc_id", "position", "day"],
-            consistency_level=self.url.consistency,
-            timeout=self.timeout,
-        )
-        found = {int(r["id"]): r for r in rows}
-        for i, e in enumerate(want.tolist()):
-            r = found.get(e)
-            if r is not None:
-                docs[i], pos[i], days[i] = r["doc_id"], r["position"], r["day"]
-        return Provenance(docs, pos, days)
-
-    # --- maintenance -----------------------------------------------------------------------
-
-    @_mapped
-    def flush(self) -> float:
-        """Seal the growing segments (they get indexed); returns the seconds it took."""
-        t0 = time.perf_counter()
-        self.collection.flush(timeout=self.timeout)
-        return time.perf_counter() - t0
-
-    @_mapped
-    def build(self, params: IndexParams | None = None) -> dict[str, Any]:
-        """Flush, compact deleted rows away, and re-create the index when the size calls
-        for other parameters (the collection is released meanwhile: searches fail until it
-        is loaded again, ``unavailable_seconds``)."""
-        # Long server-side steps wait at least 10 minutes. An int: pymilvus stops waiting
-        # for an index build only at an int timeout (a float one waits forever).
-        long_wait = math.ceil(max(self.timeout, 600))
-        with self._lock:
-            t0 = time.perf_counter()
-            flush_s = self.flush()
-            t1 = time.perf_counter()
-            try:
-                self.collection.compact(timeout=self.timeout)
-                self.collection.wait_for_compaction_completed(timeout=long_wait)
-            except MilvusException as exc:
-                # Milvus 2.3 may refuse a compaction right after a flush ("segment in flushed
-                # state not found"). Compaction only merges segments and drops deleted rows,
-                # which searches filter anyway: the build goes on, the next one compacts.
-                log.warning("Milvus compaction skipped: %s", exc)
-            compact_s = time.perf_counter() - t1
-            n = self.count()
-            want = params or self.params_for(n)
-            recreated, unavailable = False, 0.0
-            if milvus_index(want) != milvus_index(self.params):
-                t1 = time.perf_counter()
-                self.collection.release(timeout=self.timeout)
-                try:
-                    self.collection.drop_index(timeout=self.timeout)
-                    # a build past long_wait raises: it never hangs
-                    self.collection.create_index("key", milvus_index(want), timeout=long_wait)
-                finally:
-                    # searchable again even when the build failed or timed out (Milvus
-                    # searches segments whose index is not built yet by brute force)
-                    self.collection.load(timeout=long_wait)
-                unavailable = time.perf_counter() - t1
-                recreated = True
-            t2 = time.perf_counter()
-            utility.wait_for_index_building_complete(
-                self.url.collection, using=self.alias, timeout=long_wait
-            )
-            index_s = time.perf_counter() - t2
-            self.params = want  # the index Milvus holds now, and its nprobe
-            return {
-                "backend": self.name,
-                "entries": n,
-                "params": self.params.to_json(),
-                "index_recreated": recreated,
-                "unavailable_seconds": round(unavailable, 3),
-                "flush_seconds": round(flush_s, 3),
-                "compact_seconds": round(compact_s, 3),
-                "index_wait_seconds": round(index_s, 3),
-                "seconds": round(time.perf_counter() - t0, 3),
-            }
-
-    @_mapped
     def stats(self) -> dict[str, Any]:
+        """The collection's own count and index; no local files hold entries."""
+        mem = super().stats()
         return {
-            "backend": self.name,
-            "entries": self.count(),
-            "url": str(self.url),
-            "server_version": self.server_version,
-            "consistency": self.url.consistency,
-            "rerank": self.url.rerank,
-            "index": {"kind": self.params.kind, **milvus_index(self.params)["params"]}
-            | ({"nprobe": self.params.nprobe} if self.params.kind == "ivfpq" else {}),
+            **mem,
+            "datastore_entries": mem["entries"],  # no local files: the collection's count
+            "deleted_documents": self.deleted_documents,
+            "bytes_on_disk": None,
+            "bytes_in_ram": None,
         }
-
-    def drop(self) -> None:
-        """Delete the whole collection (tests, ``migrate-memory --replace``)."""
-        self.collection.drop(timeout=self.timeout)
-
-    def close(self) -> None:
-        connections.disconnect(self.alias)

@@ -118,8 +118,9 @@ def forget(doc_id: RowId, session: DbSession, state: State) -> DocumentOut:
     """A done or processing document becomes ``forgetting`` until the worker deletes its
     entries; this process stops serving them at once (others at their next index sync)."""
     doc = DocumentRepository(session).request_forget(doc_id)
-    hide = getattr(state.engine, "hide_documents", None)
-    if hide is not None and doc.status == "forgetting":
+    engine = state.engine  # None while the model loads: the index sync hides it then
+    if engine is not None and doc.status == "forgetting":
+        hide = engine.hide_documents
         # Only once "forgetting" is committed: on Milvus hiding deletes the entries, and a
         # failed commit would leave a done document without them. Committed first, a
         # failure anywhere after leaves a forget that the worker (and every API process's
