@@ -189,6 +189,10 @@ class EngineCore:
         """Make entries other processes wrote searchable (read-only and shared engines)."""
         return self.memory.refresh() if self.readonly or self.shared else 0
 
+    def close(self) -> None:
+        """Let go of the memory (its files, or its server connection)."""
+        self.memory.close()
+
     def _check_writer(self) -> None:
         if self.readonly:
             raise RuntimeError("this engine opened the memory read-only; the worker writes")
