@@ -118,3 +118,20 @@ def test_precision_and_device_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         make(precision="fp8")
     with pytest.raises(ValidationError):
         make(device="gpu")
+
+
+def test_worker_liveness_is_a_setting_with_a_default_from_the_deployment() -> None:
+    """Workers that share a data directory tell who lives by lock files; workers that
+    share only PostgreSQL and a memory server by advisory locks (workers.liveness)."""
+    pg = "postgresql+psycopg://u@h/db"
+    milvus = "milvus://milvus:19530/memlm"
+    assert make().liveness == "file"  # SQLite, the faiss files
+    assert make(database_url=pg).liveness == "file"  # one data directory, shared
+    assert make(memory_url=milvus).liveness == "file"  # SQLite: one machine anyway
+    assert make(database_url=pg, memory_url=milvus).liveness == "database"
+    assert make(database_url=pg, worker_liveness="database").liveness == "database"
+    assert make(database_url=pg, memory_url=milvus, worker_liveness="file").liveness == "file"
+    with pytest.raises(ValidationError, match="WORKER_LIVENESS=database needs a PostgreSQL"):
+        make(worker_liveness="database")
+    with pytest.raises(ValidationError):
+        make(worker_liveness="redis")

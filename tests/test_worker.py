@@ -229,6 +229,31 @@ def test_workers_sharing_a_data_directory_each_document_once(setup: Setup) -> No
     assert sum(w.done for w in workers) == 30
 
 
+def test_the_committed_view_holds_done_documents_and_other_workers_claims(
+    setup: Setup,
+) -> None:
+    """What the memory's rollback may not take out (workers.committed): done documents and
+    documents another worker is trying; a failed try of this worker's, a pending or a
+    forgetting document's entries may go."""
+    from workers.committed import DatabaseCommitted
+
+    settings, sessions, engine, new_worker = setup
+    ids = add(sessions, "a b", "c d", "e f", "g h", "i j", "k l")
+    done, mine, theirs, pending, forgetting, failed = ids
+    with sessions.begin() as s:
+        rows = {d: _get(s, d) for d in ids}
+        rows[done].status = "done"
+        rows[done].entry_start, rows[done].entry_end = 0, 1
+        rows[mine].status, rows[mine].claimed_by = "processing", "me"
+        rows[theirs].status, rows[theirs].claimed_by = "processing", "other"
+        rows[forgetting].status = "forgetting"
+        rows[failed].status = "failed"
+    view = DatabaseCommitted(sessions, "me")
+    assert view.holds([*ids, 999]) == {done, theirs}
+    assert view.holds([]) == set()
+    assert view.end() == 1
+
+
 def test_datastore_shorter_than_committed_documents_is_refused(setup: Setup) -> None:
     settings, sessions, engine, new_worker = setup
     add(sessions, "a b c")

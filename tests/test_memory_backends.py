@@ -1,0 +1,103 @@
+"""The memory protocol (memlm.memory.base) on every backend, below the engine: rolling back
+what the database did not commit, the records of builds, forgetting and pruning.
+
+The same expectations on the faiss files and on a real Milvus collection; random keys of
+16 floats, a few hundred entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memlm.index import list_versions
+from memlm.memory import MemoryBackend, open_memory
+
+DIM = 16
+DAY = 19000
+
+
+class Recorded:
+    """The database's side in these tests: the documents done and the ranges they own."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, range | None] = {}
+
+    def end(self) -> int:
+        return max((r.stop for r in self.done.values() if r is not None), default=0)
+
+    def holds(self, doc_ids: Sequence[int]) -> set[int]:
+        return {d for d in doc_ids if d in self.done}
+
+
+@pytest.fixture(params=["faiss", pytest.param("milvus", marks=pytest.mark.milvus)])
+def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MemoryBackend]:
+    url = None if request.param == "faiss" else request.getfixturevalue("milvus_url")
+    mem = open_memory(url, tmp_path / "data", DIM)
+    yield mem
+    mem.close()
+
+
+def _put(mem: MemoryBackend, doc: int, n: int, seed: int) -> tuple[range | None, np.ndarray]:
+    keys = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    with mem.writer():
+        span = mem.put_document(doc, keys, np.arange(n) % 7, np.arange(1, n + 1), DAY)
+    return span, keys
+
+
+def _docs_found(mem: MemoryBackend, keys: np.ndarray) -> set[int]:
+    _, ids, _ = mem.search(keys, 1)
+    return set(mem.provenance(ids[:, 0]).documents.tolist())
+
+
+def test_what_the_database_did_not_commit_is_rolled_back(memory: MemoryBackend) -> None:
+    db = Recorded()
+    span, k1 = _put(memory, 1, 40, seed=1)
+    db.done[1] = span
+    assert span is None or len(span) == 40  # the range to record, where ids are one
+    _, k2 = _put(memory, 2, 30, seed=2)  # a try whose commit failed
+    assert memory.count() == 70
+    with memory.writer():
+        assert memory.rollback(db, 2) == 30
+    assert memory.count() == 40 and _docs_found(memory, k2) == {1}
+    # a try of document 2 that commits, then a worker killed before its commit (3)
+    span, k2 = _put(memory, 2, 30, seed=2)
+    db.done[2] = span
+    _, k3 = _put(memory, 3, 20, seed=3)
+    # the next start takes out what no committed document owns
+    assert memory.recover(db) == (90, 70)
+    assert memory.count() == 70
+    assert 3 not in _docs_found(memory, k3) and _docs_found(memory, k2) == {2}
+    assert memory.recover(db) == (70, 70)  # nothing left to take out
+
+
+def test_builds_are_recorded_reconciled_and_pruned_after_a_forget(
+    memory: MemoryBackend,
+) -> None:
+    _put(memory, 1, 40, seed=1)
+    _, k2 = _put(memory, 2, 40, seed=2)
+    assert memory.served_version is None and memory.deleted_documents == 0
+    first = memory.build()
+    assert (first.version, first.entries, first.deleted_documents) == (1, 80, 0)
+    assert memory.served_version is None  # served after reload
+    assert memory.reload() is True and memory.served_version == 1
+    assert memory.reload() is False
+    assert memory.delete_document(1) == 40
+    assert memory.count() == 40 and memory.deleted_documents == 1
+    assert [memory.build().version for _ in range(2)] == [2, 3]
+    assert memory.reload() is True and memory.served_version == 3
+    # the database recorded only 1 and 2: 3 is an orphan (a build killed before its record)
+    assert memory.reconcile({1, 2}) == [3] and memory.served_version == 2
+    assert memory.reconcile({1, 2}, delete=True) == [3]
+    assert list_versions(memory.root) == [1, 2]
+    # version 1 was built before the forget: pruned whatever its age
+    assert memory.build().version == 3 and memory.reload()
+    assert memory.prune(keep=3) == [memory.root / "v000001"]
+    assert list_versions(memory.root) == [2, 3]
+    stats = memory.stats()
+    assert (stats["backend"], stats["entries"]) == (memory.name, 40)
+    assert _docs_found(memory, k2) == {2}
+    assert memory.delete_document(1) == 0  # forgetting again: nothing left to delete
