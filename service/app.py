@@ -29,7 +29,7 @@ from service.metrics import Metrics
 from service.middleware import BodyGuard, CatchAll, RequestMetrics, RequestSlots
 from service.openapi import install_openapi
 from service.provenance import SpanCache
-from service.routes import admin, documents, generate, health, inference
+from service.routes import admin, documents, generate, health, inference, openai, tokenizer
 from service.routes.inference import predict_many
 from service.state import AppState
 
@@ -220,8 +220,9 @@ def create_app(
     )
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    for module in (documents, inference, generate, admin, health):
+    for module in (documents, inference, generate, admin, health, tokenizer):
         app.include_router(module.router)
+    openai.install(app)  # /v1/: the OpenAI-compatible API, with OpenAI's error body
     app.include_router(dashboard_routes.router)
     install_openapi(app, settings)
     # Starlette runs the last added outermost. BodyGuard reads the whole body (up to

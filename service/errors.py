@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -103,10 +104,55 @@ def error_body(error: str, detail: Any) -> dict[str, Any]:
     return {"error": error, "detail": detail}
 
 
+# The status and body of an error, from (status, error code, detail, the request field at
+# fault or None). A family of routes that speaks another API's dialect answers its errors
+# in that API's body (the OpenAI-compatible /v1/: service/routes/openai.py); it installs
+# its shape for its path prefix with ``install_error_shape``.
+ErrorShape = Callable[[int, str, Any, "str | None"], tuple[int, dict[str, Any]]]
+
+
+def install_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    """Answer every error of a request whose path starts with ``prefix`` with ``shape``."""
+    shapes: dict[str, ErrorShape] = getattr(app.state, "error_shapes", {})
+    app.state.error_shapes = {**shapes, prefix: shape}
+
+
+def shaped_error(
+    where: Any, status: int, error: str, detail: Any, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The status and body of an error answered to ``where`` (a request or an ASGI scope)."""
+    scope = where if isinstance(where, dict) else getattr(where, "scope", {})
+    app = scope.get("app")
+    shapes: dict[str, ErrorShape] = getattr(getattr(app, "state", None), "error_shapes", {})
+    path = scope.get("path", "")
+    for prefix, shape in shapes.items():
+        if path.startswith(prefix):
+            return shape(status, error, detail, param)
+    return status, error_body(error, detail)
+
+
 def error_response(
-    status: int, error: str, detail: Any, headers: dict[str, str] | None = None
+    status: int,
+    error: str,
+    detail: Any,
+    headers: dict[str, str] | None = None,
+    *,
+    where: Any = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(error, detail), status_code=status, headers=headers)
+    """The error answer; ``where`` (the request) picks its body (``install_error_shape``)."""
+    if where is None:
+        return JSONResponse(error_body(error, detail), status_code=status, headers=headers)
+    status, body = shaped_error(where, status, error, detail, param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The body field of the first problem (dotted), None when the body as a whole is."""
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        return loc or None
+    return None
 
 
 def _validation_detail(exc: RequestValidationError) -> str:
@@ -159,7 +205,9 @@ def allowed_methods(request: Request) -> str | None:
 def unavailable_response(request_or_scope: Any, reason: str) -> JSONResponse:
     """503 with the reason a dependency is away and when to come back."""
     retry = getattr(_settings_of(request_or_scope), "retry_after_seconds", 1)
-    return error_response(503, "unavailable", reason, {"Retry-After": str(retry)})
+    return error_response(
+        503, "unavailable", reason, {"Retry-After": str(retry)}, where=request_or_scope
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -173,7 +221,14 @@ def install_error_handlers(app: FastAPI) -> None:
             headers = {"WWW-Authenticate": "Bearer"}
         elif isinstance(exc, Unavailable):
             return unavailable_response(request, str(exc))
-        return error_response(exc.status_code, exc.error, str(exc), headers)
+        return error_response(
+            exc.status_code,
+            exc.error,
+            str(exc),
+            headers,
+            where=request,
+            param=getattr(exc, "param", None),
+        )
 
     async def dependency(request: Request, exc: Exception) -> JSONResponse:
         # The database, the memory server or the disk is away: a passing state, answered
@@ -184,9 +239,15 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("%s %s: %s (%s)", request.method, request.url.path, reason, exc)
         return unavailable_response(request, reason)
 
-    async def validation(_: Request, exc: Exception) -> JSONResponse:
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_response(422, "validation_error", _validation_detail(exc))
+        return error_response(
+            422,
+            "validation_error",
+            _validation_detail(exc),
+            where=request,
+            param=_validation_param(exc),
+        )
 
     async def http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -196,11 +257,11 @@ def install_error_handlers(app: FastAPI) -> None:
         allow = allowed_methods(request) if exc.status_code == 405 else None
         if allow is not None:
             headers = {**(headers or {}), "Allow": allow}
-        return error_response(exc.status_code, name, detail, headers)
+        return error_response(exc.status_code, name, detail, headers, where=request)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal_error", "internal server error")
+        return error_response(500, "internal_error", "internal server error", where=request)
 
     async def value_error(request: Request, exc: Exception) -> JSONResponse:
         # The engine says "this text cannot be used" with EngineInputError; other
@@ -208,7 +269,7 @@ def install_error_handlers(app: FastAPI) -> None:
         from memlm.engine import EngineInputError
 
         if isinstance(exc, EngineInputError):
-            return error_response(422, "invalid_input", str(exc))
+            return error_response(422, "invalid_input", str(exc), where=request)
         return await unexpected(request, exc)
 
     app.add_exception_handler(DomainError, domain)

@@ -10,20 +10,22 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import Overloaded, overload_pause
+from service.errors import Overloaded, overload_pause, shaped_error
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
 async def _send_error(
+    scope: Scope,
     send: Send,
     status: int,
     error: str,
     detail: str,
     extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
-    body = json.dumps({"error": error, "detail": detail}).encode()
+    status, shaped = shaped_error(scope, status, error, detail)
+    body = json.dumps(shaped).encode()
     await send(
         {
             "type": "http.response.start",
@@ -56,7 +58,7 @@ class BodyGuard:
         declared = headers.get(b"content-length")
         too_big = f"the body exceeds {self.max_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, 413, "payload_too_large", too_big)
+            await _send_error(scope, send, 413, "payload_too_large", too_big)
             return
         chunks: list[bytes] = []
         size = 0
@@ -68,7 +70,7 @@ class BodyGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _send_error(send, 413, "payload_too_large", too_big)
+                await _send_error(scope, send, 413, "payload_too_large", too_big)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -78,7 +80,7 @@ class BodyGuard:
                 body.decode("utf-8")
             except UnicodeDecodeError as e:
                 await _send_error(
-                    send, 400, "bad_request", f"the body is not valid UTF-8 (byte {e.start})"
+                    scope, send, 400, "bad_request", f"the body is not valid UTF-8 (byte {e.start})"
                 )
                 return
         sent = False
@@ -139,7 +141,15 @@ class RequestSlots:
     """
 
     def __init__(
-        self, app: ASGIApp, paths: tuple[str, ...] = ("/predict", "/score", "/generate")
+        self,
+        app: ASGIApp,
+        paths: tuple[str, ...] = (
+            "/predict",
+            "/score",
+            "/generate",
+            "/v1/completions",
+            "/v1/chat/completions",
+        ),
     ) -> None:
         self.app = app
         self.paths = paths
@@ -155,7 +165,7 @@ class RequestSlots:
         except Overloaded as exc:
             await overload_pause(scope, exc)
             extra = ((b"retry-after", str(exc.retry_after).encode()),)
-            await _send_error(send, 429, exc.error, str(exc), extra)
+            await _send_error(scope, send, 429, exc.error, str(exc), extra)
             return
         status, send_wrapper = _recording_status(send)
 
@@ -198,4 +208,4 @@ class CatchAll:
             if started:
                 raise
             log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
-            await _send_error(send, 500, "internal_error", "internal server error")
+            await _send_error(scope, send, 500, "internal_error", "internal server error")

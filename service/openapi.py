@@ -28,6 +28,12 @@ from memlm.api import (
     ScoreRequest,
 )
 from memlm.settings import Settings
+from service.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 # Every request body (with the models they hold, which come along).
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
@@ -39,10 +45,14 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     FullMemIn,
     RandMemIn,
     MonimIn,
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
 )
 
 
-def settings_limits(settings: Settings) -> dict[tuple[str, str], dict[str, int]]:
+def settings_limits(settings: Settings) -> dict[tuple[str, str], dict[str, Any]]:
     """(model, property) -> the JSON Schema keywords the settings add to it."""
     chars = settings.max_context_chars
     return {
@@ -53,6 +63,17 @@ def settings_limits(settings: Settings) -> dict[tuple[str, str], dict[str, int]]
         ("ScoreRequest", "text"): {"maxLength": chars},
         ("GenerateRequest", "context"): {"maxLength": chars},
         ("GenerateRequest", "max_tokens"): {"maximum": settings.max_generate_tokens},
+        # the OpenAI-compatible API: the one model served, the generation limit (a string
+        # prompt's length applies to the string branch: maxLength ignores the others)
+        ("CompletionRequest", "model"): {"enum": [settings.model]},
+        ("CompletionRequest", "max_tokens"): {"maximum": settings.max_generate_tokens},
+        ("CompletionRequest", "prompt"): {"maxLength": chars},
+        ("ChatCompletionRequest", "model"): {"enum": [settings.model]},
+        ("TokenizeRequest", "prompt"): {"maxLength": chars},
+        ("ChatCompletionRequest", "max_tokens"): {"maximum": settings.max_generate_tokens},
+        ("ChatCompletionRequest", "max_completion_tokens"): {
+            "maximum": settings.max_generate_tokens
+        },
     }
 
 

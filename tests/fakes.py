@@ -15,16 +15,20 @@ is predictable by hand:
 * ``char_spans`` gives each word's characters (and counts its calls),
 * generation (``start_generation``) appends " word" after " word" drawn from ``predict``'s
   distribution: greedy takes its first suggestion, sampling draws with the seeded numpy
-  generator; ``generation_positions`` words of context plus new words at most.
+  generator; ``generation_positions`` words of context plus new words at most,
+* token ids (the OpenAI-compatible API): a word's id is the order in which the fake first
+  saw it, ``vocab_size`` the words seen so far; the top tokens of a position are
+  ``predict``'s suggestions there; there is no chat template.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -286,9 +290,14 @@ class FakeEngine:
         lp: list[float] = []
         store: list[bool] = []
         trime: list[float] = []
+        knn_lp: list[float] = []
+        lams: list[float] = []
         for t in range(1, len(words)):
             knn = self._knn(words[t - 1])
             lam = 0.5 if knn else 0.0
+            kp = knn.get(words[t], 0.0)
+            knn_lp.append(math.log(kp) if kp > 0 else -math.inf)
+            lams.append(lam)
             lm = 1.0 / len(VOCAB) if words[t] in VOCAB else 1e-6
             base = lm
             if memory is not None:
@@ -306,7 +315,74 @@ class FakeEngine:
             store,
             trime if memory is not None else None,
             math.exp(-sum(trime) / len(trime)) if memory is not None else None,
+            knn_logprobs=knn_lp,
+            lambdas=lams,
         )
+
+    # --- token ids -------------------------------------------------------------------------
+
+    _vocab: list[str] = field(default_factory=list, repr=False)
+    _ids: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def _id(self, word: str) -> int:
+        with self._lock:  # request threads tokenise at once
+            if word not in self._ids:
+                self._ids[word] = len(self._vocab)
+                self._vocab.append(word)
+            return self._ids[word]
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return [self._id(w) for w in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(self._vocab[i] for i in ids)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self._vocab[i] for i in ids]
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {
+            "eos_token": None,
+            "bos_token": None,
+            "pad_token": None,
+            "chat_template": None,
+            "max_positions": self.generation_positions,
+        }
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        raise EngineInputError("the fake engine has no chat template: use /v1/completions")
+
+    def score_ids(
+        self,
+        ids: Sequence[int],
+        *,
+        policy: Policy | str | None = None,
+        memory: MemoryOptions | None = None,
+        top: int = 0,
+        nearest: bool = False,
+    ) -> ScoreResult:
+        words = [self._vocab[i] for i in ids]
+        res = self.score(" ".join(words), policy=policy, memory=memory)
+        preds = [
+            self.predict(" ".join(words[:t]), top_n=top, neighbours=int(nearest))
+            for t in range(1, len(words))
+        ]
+        return dataclasses.replace(
+            res,
+            tokens=words[1:],  # the scored tokens, as the engine's (score's fake keeps them all)
+            top_ids=[[self._id(x.token) for x in p.suggestions] for p in preds] if top else None,
+            top_logprobs=[[math.log(x.prob) for x in p.suggestions] for p in preds]
+            if top
+            else None,
+            nearest=[p.neighbours[0] if p.neighbours else None for p in preds] if nearest else None,
+        )
+
+    def start_generation_ids(self, ids: Sequence[int], cfg: GenerateConfig) -> FakeGeneration:
+        return self.start_generation(self.detokenize(ids), cfg)
 
     def rebuild(self, *, crash_at: str | None = None, retrain: bool = False) -> BuildInfo:
         self.built_version += 1

@@ -15,7 +15,8 @@ Modules, one responsibility each::
     ingest.py    ``process_document`` = ``prepare_document`` + ``store_document``
     predict.py   ``predict`` / ``predict_batch`` (words, TRIME memory, neighbours)
     generation.py ``start_generation`` and the pieces :mod:`memlm.engine.generation` steps with
-    score.py     ``score``
+    score.py     ``score``, ``score_ids`` (with the top tokens of every position)
+    tokens.py    the tokenizer for callers that speak token ids, the chat template
     build.py     ``rebuild``, ``compact``, ``train_calibrator``, ``reconcile_index``
     forget.py    ``forget_document``, ``hide_documents``
     stats.py     ``stats``

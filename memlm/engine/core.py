@@ -143,9 +143,12 @@ class EngineCore:
 
     def _encode(self, text: str, key_ce: bool = False) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
+        return ids, self._encode_ids(ids, key_ce)
+
+    def _encode_ids(self, ids: list[int], key_ce: bool = False) -> TokenOutputs:
         if len(ids) < 2:
             raise EngineInputError("the text must hold at least two tokens")
-        return ids, self.encoder.encode_ids(ids, self.window, key_ce=key_ce)
+        return self.encoder.encode_ids(ids, self.window, key_ce=key_ce)
 
     @contextlib.contextmanager
     def building(self, timeout: float | None = None) -> Iterator[None]:

@@ -16,6 +16,7 @@ from memlm.engine.ingest import IngestMixin
 from memlm.engine.predict import PredictMixin
 from memlm.engine.score import ScoreMixin
 from memlm.engine.stats import StatsMixin
+from memlm.engine.tokens import TokensMixin
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 from memlm.memory import stored_key_precision
@@ -28,7 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class Engine(
-    IngestMixin, GenerateMixin, PredictMixin, ScoreMixin, BuildMixin, ForgetMixin, StatsMixin
+    IngestMixin,
+    GenerateMixin,
+    PredictMixin,
+    ScoreMixin,
+    BuildMixin,
+    ForgetMixin,
+    StatsMixin,
+    TokensMixin,
 ):
     """The encoder and the memory of one data directory, with every operation."""
 

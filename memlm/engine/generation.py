@@ -54,10 +54,13 @@ class GenerateConfig:
     stop: tuple[str, ...] = ()  # the text ends before the first of these; it is not returned
     neighbour: bool = False  # report each token's nearest neighbour in the memory
     stop_at_eos: bool = True  # the tokenizer's end-of-text token ends the text
+    top: int = 0  # report each step's this many most probable tokens (OpenAI's logprobs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.top < 0:
+            raise ValueError("top must be >= 0")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError("temperature must be finite and >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -80,6 +83,18 @@ class GeneratedToken:
     knn_prob: float
     lam: float  # lambda of this step (0 where the gate skipped the search or none was found)
     neighbour: Any = None  # the engine's Neighbour of the nearest entry, when asked
+    # the step's ``GenerateConfig.top`` most probable tokens: (id, probability), most
+    # probable first, under the same distribution as ``prob``
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def top_tokens(prob: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` most probable tokens of a (V,) distribution, most probable first."""
+    if n <= 0:
+        return ()
+    best = np.argpartition(-prob, n - 1)[:n]
+    best = best[np.argsort(-prob[best], kind="stable")]
+    return tuple((int(t), float(prob[t])) for t in best)
 
 
 def choose(prob: np.ndarray, cfg: GenerateConfig, rng: np.random.Generator | None) -> int:
@@ -235,6 +250,7 @@ class Generation:
                     float(nxt.knn[0, tok]),
                     float(nxt.lam[0]),
                     found,
+                    top_tokens(prob, cfg.top),
                 )
             )
             if not self.done:  # the last token needs no forward
@@ -269,7 +285,10 @@ class GenerateMixin(_MixinBase):
 
     def start_generation(self, context: str, cfg: GenerateConfig) -> Generation:
         """Read ``context`` and return the continuation to step."""
-        ids = self.encoder.tokenize(context)
+        return self.start_generation_ids(self.encoder.tokenize(context), cfg)
+
+    def start_generation_ids(self, ids: Sequence[int], cfg: GenerateConfig) -> Generation:
+        """``start_generation`` of a context given as token ids."""
         if not ids:
             raise EngineInputError("the context is empty after tokenisation")
         if len(ids) + cfg.max_tokens > self.generation_positions:

@@ -11,7 +11,7 @@ Light: typing only, no model code.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -131,6 +131,32 @@ class EngineLike(Protocol[PreparedT]):
     def generation_positions(self) -> int: ...
 
     def start_generation(self, context: str, cfg: GenerateConfig) -> GenerationLike: ...
+
+    # --- token ids (the OpenAI-compatible API) ---------------------------------------------
+    @property
+    def vocab_size(self) -> int: ...
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]: ...
+
+    def tokenizer_info(self) -> dict[str, Any]: ...
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def score_ids(
+        self,
+        ids: Sequence[int],
+        *,
+        policy: Policy | str | None = None,
+        memory: MemoryOptions | None = None,
+        top: int = 0,
+        nearest: bool = False,
+    ) -> ScoreResult: ...
+
+    def start_generation_ids(self, ids: Sequence[int], cfg: GenerateConfig) -> GenerationLike: ...
 
 
 __all__ = ["EngineLike", "GenerationLike", "PreparedLike", "PreparedT"]

@@ -102,6 +102,16 @@ class ScoreResult:
     would_store: list[bool]
     trime_logprobs: list[float] | None = None  # LM + local / long-term memory, if asked
     trime_ppl: float | None = None
+    # per scored token: log p_kNN of it and the lambda it was scored with (0 where the
+    # gate skipped the search or no neighbour was found)
+    knn_logprobs: list[float] = field(default_factory=list)
+    lambdas: list[float] = field(default_factory=list)
+    # ``score_ids(top=N)``: per scored token, the N most probable tokens of the augmented
+    # distribution at its position and their log-probabilities, most probable first
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    # ``score_ids(nearest=True)``: per scored token, the nearest entry of its search
+    nearest: list[Neighbour | None] | None = None
 
 
 @dataclass(frozen=True)
