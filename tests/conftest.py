@@ -29,6 +29,9 @@ from tests.milvus_fixtures import (  # noqa: E402
     start_shared_server,
 )
 
+# one live `memlm up` for the OpenAI-compatible API's clients (session-scoped)
+from tests.openai_fixtures import memlm_up  # noqa: E402,F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # a parallel run (make test: pytest -n) shares one Milvus server: a second embedded
