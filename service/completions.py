@@ -23,7 +23,7 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from starlette.concurrency import run_in_threadpool
 
@@ -120,28 +120,11 @@ async def read_prompts(
 ) -> list[PromptIn]:
     """The prompts as token ids, checked against the vocabulary and the settings' limits."""
     if isinstance(prompt, str):
-        texts: list[str] | None = [prompt]
-    elif all(isinstance(p, str) for p in prompt):
-        texts = [str(p) for p in prompt]
-    else:
-        texts = None
-    out: list[PromptIn] = []
-    if texts is not None:
-        chars = state.settings.max_context_chars
-        for text in texts:
-            if len(text) > chars:
-                raise ContextTooLong(
-                    f"a prompt has {len(text)} characters; at most {chars} "
-                    "(MEMLM_MAX_CONTEXT_CHARS)",
-                    "prompt",
-                )
-            ids = await off_loop_if_long(text, partial(engine.tokenize, text))
-            if not ids:
-                raise BadRequest("a prompt is empty after tokenisation", "prompt")
-            out.append(PromptIn(ids, text))
-        return out
-    lists: list[list[int]] = (
-        [prompt] if isinstance(prompt[0], int) else prompt  # type: ignore[list-item,assignment]
+        return [await _read_text(state, engine, prompt)]
+    if isinstance(prompt[0], str):
+        return [await _read_text(state, engine, str(text)) for text in prompt]
+    lists = (
+        [cast(list[int], prompt)] if isinstance(prompt[0], int) else cast(list[list[int]], prompt)
     )
     vocab = engine.vocab_size
     for ids in lists:
@@ -149,8 +132,20 @@ async def read_prompts(
             raise BadRequest(
                 f"token id {max(ids)} is not in the vocabulary (0 to {vocab - 1})", "prompt"
             )
-        out.append(PromptIn([int(i) for i in ids], None))
-    return out
+    return [PromptIn(list(ids), None) for ids in lists]
+
+
+async def _read_text(state: AppState, engine: EngineLike, text: str) -> PromptIn:
+    chars = state.settings.max_context_chars
+    if len(text) > chars:
+        raise ContextTooLong(
+            f"a prompt has {len(text)} characters; at most {chars} (MEMLM_MAX_CONTEXT_CHARS)",
+            "prompt",
+        )
+    ids = await off_loop_if_long(text, partial(engine.tokenize, text))
+    if not ids:
+        raise BadRequest("a prompt is empty after tokenisation", "prompt")
+    return PromptIn(ids, text)
 
 
 def check_sizes(
@@ -161,24 +156,32 @@ def check_sizes(
     max_tokens: int,
     echo: bool,
 ) -> None:
-    """Refuse (400) what the model cannot read or the settings do not allow."""
-    if len(prompts) * n > MAX_CHOICES:
-        raise BadRequest(
-            f"{len(prompts)} prompts x n={n} choices; at most {MAX_CHOICES} in one request", "n"
-        )
+    """Refuse (400) what the model cannot read or the settings do not allow.
+
+    A request may cost at most what the largest single /generate and /score may: its
+    choices produce MEMLM_MAX_GENERATE_TOKENS tokens in all, its echo scores
+    MEMLM_MAX_SCORE_TOKENS. An idle server admits any request whatever its cost, so these
+    limits are what bound one request.
+    """
+    choices = len(prompts) * n
+    if choices > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x n={n}; at most {MAX_CHOICES} choices", "n")
     limit = state.settings.max_generate_tokens
-    if max_tokens > limit:
+    if choices * max_tokens > limit:
         raise BadRequest(
-            f"max_tokens: {max_tokens} asked; at most {limit} (MEMLM_MAX_GENERATE_TOKENS)",
+            f"max_tokens: {max_tokens} for each of {choices} choice(s) is "
+            f"{choices * max_tokens} tokens; at most {limit} in one request "
+            "(MEMLM_MAX_GENERATE_TOKENS)",
             "max_tokens",
         )
-    longest = max(len(p.ids) for p in prompts)
-    if echo and longest > state.settings.max_score_tokens:
+    scored = sum(len(p.ids) for p in prompts)
+    if echo and scored > state.settings.max_score_tokens:
         raise ContextTooLong(
-            f"a prompt has {longest} tokens; an echo scores at most "
-            f"{state.settings.max_score_tokens} (MEMLM_MAX_SCORE_TOKENS)",
+            f"the prompts have {scored} tokens; an echo scores at most "
+            f"{state.settings.max_score_tokens} in one request (MEMLM_MAX_SCORE_TOKENS)",
             "prompt",
         )
+    longest = max(len(p.ids) for p in prompts)
     positions = engine.generation_positions
     if max_tokens and longest + max_tokens > positions:
         raise ContextTooLong(

@@ -22,6 +22,9 @@ MAX_TOP_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs` (vLLM
 MAX_STOP = 8  # stop strings (memlm's /generate; OpenAI allows 4)
 MAX_N = 16  # choices per prompt
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions
+# A chat answer's default length: /generate's. OpenAI's runs to the context's end, which a
+# base model that never says its end-of-turn token would spend on every unbounded call.
+CHAT_DEFAULT_MAX_TOKENS = 32
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
@@ -62,6 +65,7 @@ NEUTRAL: dict[str, Any] = {
     "logit_bias": {},
     "suffix": "",
     "tools": [],
+    "best_of": 1,
 }
 
 
@@ -96,9 +100,15 @@ class SamplingFields(OpenAIRequest):
     stream: bool | None = Field(None, description="server-sent events, ending `data: [DONE]`")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted and ignored")
-    frequency_penalty: float | None = Field(None, description="0 only")
-    presence_penalty: float | None = Field(None, description="0 only")
-    logit_bias: dict[str, float] | None = Field(None, description="{} only")
+    frequency_penalty: float | None = Field(
+        None, description="0 only", json_schema_extra={"enum": [0, None]}
+    )
+    presence_penalty: float | None = Field(
+        None, description="0 only", json_schema_extra={"enum": [0, None]}
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="{} only", json_schema_extra={"maxProperties": 0}
+    )
     neighbour: bool = Field(
         False,
         description="memlm: each token's nearest neighbour in the memory, with provenance "
@@ -115,6 +125,16 @@ class SamplingFields(OpenAIRequest):
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: OpenAI's legacy completions."""
+
+    # stated for clients: max_tokens 0 (score the prompt, generate nothing) needs echo
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"max_tokens": {"not": {"const": 0}}}},
+                {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+            ]
+        }
+    )
 
     prompt: Prompt = Field(
         description="a text, a list of texts, token ids, or a list of token-id lists",
@@ -133,17 +153,18 @@ class CompletionRequest(SamplingFields):
         le=MAX_TOP_LOGPROBS,
         description="log-probabilities of every token, with this many most probable tokens",
     )
-    best_of: int | None = Field(None, ge=1, description="null or equal to n only")
-    suffix: str | None = Field(None, description='null or "" only: the model does not fill in')
+    best_of: int | None = Field(
+        None,
+        description="1 only: each choice is its own best (no ranking of extra samples)",
+        json_schema_extra={"enum": [1, None]},
+    )
+    suffix: str | None = Field(
+        None,
+        description='"" only: the model does not fill in',
+        json_schema_extra={"enum": ["", None]},
+    )
 
-    _neutral_suffix = field_validator("suffix")(neutral_only)
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("only null or the value of n is supported by memlm")
-        return value
+    _neutral_suffix = field_validator("suffix", "best_of")(neutral_only)
 
 
 class TextPart(OpenAIRequest):
@@ -169,15 +190,30 @@ class ResponseFormat(OpenAIRequest):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: served with the tokenizer's chat template."""
 
+    # stated for clients: top_logprobs above 0 needs logprobs true
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"top_logprobs": {"enum": [0, None]}}},
+                {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            ]
+        }
+    )
+
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of the next")
     max_completion_tokens: int | None = Field(
-        None, ge=1, description="tokens to generate per choice (null: MEMLM_MAX_GENERATE_TOKENS)"
+        None,
+        ge=1,
+        description=f"tokens to generate per choice (null: {CHAT_DEFAULT_MAX_TOKENS}, as "
+        "/generate; the end-of-turn token ends an answer before)",
     )
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = Field(None, description='{"type": "text"} only')
-    tools: list[dict[str, Any]] | None = Field(None, description="[] only: no tool calls")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="[] only: no tool calls", json_schema_extra={"maxItems": 0}
+    )
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted and ignored")
 
@@ -236,11 +272,15 @@ class CompletionLogprobs(BaseModel):
     )
 
 
+# OpenAI's reasons: the end of text and a stop string are both a stop
+FinishReason = Literal["stop", "length"]
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = Field(
+    finish_reason: FinishReason | None = Field(
         description="null in a stream's chunks before the last of the choice"
     )
     memlm: ChoiceExtra | None = None
@@ -281,7 +321,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     memlm: ChoiceExtra | None = None
 
 
@@ -304,7 +344,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     memlm: ChoiceExtra | None = None
 
 

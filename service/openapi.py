@@ -70,6 +70,8 @@ def settings_limits(settings: Settings) -> dict[tuple[str, str], dict[str, Any]]
         ("CompletionRequest", "prompt"): {"maxLength": chars},
         ("ChatCompletionRequest", "model"): {"enum": [settings.model]},
         ("TokenizeRequest", "prompt"): {"maxLength": chars},
+        ("TokenizeRequest", "model"): {"enum": [settings.model, None]},
+        ("DetokenizeRequest", "model"): {"enum": [settings.model, None]},
         ("ChatCompletionRequest", "max_tokens"): {"maximum": settings.max_generate_tokens},
         ("ChatCompletionRequest", "max_completion_tokens"): {
             "maximum": settings.max_generate_tokens

@@ -374,8 +374,10 @@ class FakeEngine:
         return dataclasses.replace(
             res,
             tokens=words[1:],  # the scored tokens, as the engine's (score's fake keeps them all)
-            top_ids=[[self._id(x.token) for x in p.suggestions] for p in preds] if top else None,
-            top_logprobs=[[math.log(x.prob) for x in p.suggestions] for p in preds]
+            top=[
+                [(self._id(x.token), x.token, math.log(x.prob)) for x in p.suggestions]
+                for p in preds
+            ]
             if top
             else None,
             nearest=[p.neighbours[0] if p.neighbours else None for p in preds] if nearest else None,
@@ -498,9 +500,21 @@ class FakeGeneration:
             elif last:
                 self.finish_reason = "length"
             nb = pred.neighbours[0] if pred.neighbours else None
+            top = tuple(
+                (self.engine._id(x.token), x.token, x.prob)
+                for x in pred.suggestions[: self.cfg.top]
+            )
             out.append(
                 GeneratedToken(
-                    s.token_id, f" {s.token}", delta, s.prob, s.lm_prob, s.knn_prob, pred.lam, nb
+                    s.token_id,
+                    f" {s.token}",
+                    delta,
+                    s.prob,
+                    s.lm_prob,
+                    s.knn_prob,
+                    pred.lam,
+                    nb,
+                    top,
                 )
             )
         return out

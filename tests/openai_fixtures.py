@@ -4,11 +4,7 @@ Llama, reads protected by a read token), with one news sentence memorised."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.processes import free_port, memlm_env, start_memlm, stop
+
 MODEL = "tiny-llama"
 READ_TOKEN = "read-token-for-the-openai-tests-0001"
 INGEST_TOKEN = "change-me"  # the development default of `memlm up`
@@ -36,39 +33,24 @@ class LiveServer:
         return {"Authorization": f"Bearer {READ_TOKEN}"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def memlm_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from memlm.client import Client
 
     tmp = tmp_path_factory.mktemp("memlm-up")
-    port = _port()
-    env = {
-        **os.environ,
-        "MEMLM_DATA_DIR": str(tmp / "data"),
-        "MEMLM_MODEL": MODEL,
-        "MEMLM_THREADS": "1",
-        "MEMLM_INDEX_POLL_SECONDS": "0.5",
-        "MEMLM_WORKER_POLL_SECONDS": "0.2",
-        "MEMLM_PROTECT_READ": "true",
-        "MEMLM_READ_TOKEN": READ_TOKEN,
-    }
-    env.pop("MEMLM_DATABASE_URL", None)
-    env.pop("MEMLM_ENV", None)
+    port = free_port()
+    env = memlm_env(
+        MEMLM_DATA_DIR=str(tmp / "data"),
+        MEMLM_INDEX_POLL_SECONDS="0.5",
+        MEMLM_WORKER_POLL_SECONDS="0.2",
+        MEMLM_PROTECT_READ="true",
+        MEMLM_READ_TOKEN=READ_TOKEN,
+        MEMLM_DATABASE_URL=None,
+        MEMLM_ENV=None,
+    )
     log = tmp / "up.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "memlm.cli", "up", "--port", str(port)],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        proc = start_memlm(["up", "--port", str(port)], env, out)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -87,9 +69,8 @@ def memlm_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
             assert done.status == "done", done
         yield LiveServer(url, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            stop(proc)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -13,7 +13,7 @@ import pytest
 
 from memlm.encoder import Encoder
 from memlm.engine import Engine, EngineInputError
-from memlm.generate import GenerateConfig, top_tokens
+from memlm.engine.generation import GenerateConfig, top_tokens
 from memlm.knnlm import KnnParams
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday."
@@ -60,18 +60,21 @@ def test_top_tokens_are_the_whole_mixtures(engine: Engine) -> None:
     # memorised and unseen positions: the memory leads in the first, the LM in the second
     ids = engine.tokenize(TEXT + " " + OTHER)
     s = engine.score_ids(ids, top=4)
-    assert s.top_ids is not None and s.top_logprobs is not None
+    assert s.top is not None
     whole = _mixture(engine, ids, s.lambdas)
     assert sorted(set(s.lambdas)) == [0.5]  # every position found a neighbour
-    for r in range(len(ids) - 1):
+    for r, top in enumerate(s.top):
         best = np.argsort(-whole[r], kind="stable")[:4]
-        assert s.top_ids[r] == best.tolist(), r
+        assert [t for t, _, _ in top] == best.tolist(), r
+        assert [name for _, name, _ in top] == engine.token_strings(best.tolist())
         # float32 logits: the head's log-softmax and logit minus log-sum-exp differ by ~2e-6
-        np.testing.assert_allclose(s.top_logprobs[r], whole[r, best], rtol=0, atol=1e-5)
-        if s.top_ids[r][0] == ids[r + 1]:  # the scored token is the most probable one ...
-            assert s.top_logprobs[r][0] == s.logprobs[r]  # ... with score's own number
+        np.testing.assert_allclose([lp for _, _, lp in top], whole[r, best], rtol=0, atol=1e-5)
+        if top[0][0] == ids[r + 1]:  # the scored token is the most probable one ...
+            assert top[0][2] == s.logprobs[r]  # ... with score's own number
     memorised = len(engine.tokenize(TEXT)) - 1
-    assert [t[0] for t in s.top_ids[:memorised]] == ids[1 : memorised + 1]
+    assert [top[0][0] for top in s.top[:memorised]] == ids[1 : memorised + 1]
+    one = engine.score_ids(ids, top=1)  # from the LM argmax the encoder kept
+    assert one.top == [top[:1] for top in s.top]
 
 
 def test_nearest_neighbours_are_the_memorised_positions(engine: Engine) -> None:
@@ -93,15 +96,16 @@ def test_a_generation_reports_its_top_tokens(engine: Engine) -> None:
     assert by_ids == by_text
     assert [t.token for t in by_ids] == [" ferry", " timetable", " on"]  # the memory's
     for t in by_ids:
-        assert len(t.top) == 5 and t.top[0] == (t.token_id, t.prob)
-        assert [p for _, p in t.top] == sorted((p for _, p in t.top), reverse=True)
+        assert len(t.top) == 5 and t.top[0] == (t.token_id, t.token, t.prob)
+        assert [p for _, _, p in t.top] == sorted((p for _, _, p in t.top), reverse=True)
+        assert [name for _, name, _ in t.top] == engine.token_strings([i for i, _, _ in t.top])
     assert engine.start_generation(context, GenerateConfig(max_tokens=1)).step(1)[0].top == ()
 
 
 def test_top_tokens_of_a_distribution() -> None:
     prob = np.array([0.1, 0.4, 0.05, 0.4, 0.05])
-    assert top_tokens(prob, 3) == ((1, 0.4), (3, 0.4), (0, 0.1))
-    assert top_tokens(prob, 0) == ()
+    assert top_tokens(prob, 3) == [1, 3, 0]
+    assert top_tokens(prob, 0) == []
 
 
 def test_the_tokenizer(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,7 +82,9 @@ def test_a_stream_adds_up_to_the_whole_answer(oa: openai.OpenAI, memlm_up: LiveS
     ask: dict[str, Any] = {"model": MODEL, "prompt": CONTEXT, "max_tokens": 6, "temperature": 0}
     whole = oa.completions.create(**ask, logprobs=2).choices[0]
     chunks = list(
-        oa.completions.create(**ask, logprobs=2, stream=True, stream_options={"include_usage": True})
+        oa.completions.create(
+            **ask, logprobs=2, stream=True, stream_options={"include_usage": True}
+        )
     )
     *parts, usage = chunks
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 6
@@ -231,7 +233,9 @@ def _app(tmp_path: Path, sqlite_url: str, tiny: Any, **over: Any) -> Any:
     return create_app(settings, engine=engine, run_worker=False, poll=False)
 
 
-def test_admission_and_its_refusal_are_generates(tmp_path: Path, sqlite_url: str, tiny: Any) -> None:
+def test_admission_and_its_refusal_are_generates(
+    tmp_path: Path, sqlite_url: str, tiny: Any
+) -> None:
     """A completion is priced as /generate prices the same prompt and max_tokens: the same
     refusal, with its Retry-After, in OpenAI's body (the client's RateLimitError)."""
     app = _app(tmp_path, sqlite_url, tiny, queue_budget_s=2.0, overload_delay_seconds=0)
@@ -295,7 +299,9 @@ def test_every_layer_answers_openais_error_body(tmp_path: Path, sqlite_url: str,
         nowhere = client.get("/v1/embeddings")
         assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
         # the rest of the API keeps its own body
-        assert client.post("/score", json={"text": "a", "n": 0}).json()["error"] == "validation_error"
+        assert (
+            client.post("/score", json={"text": "a", "n": 0}).json()["error"] == "validation_error"
+        )
 
 
 def test_neighbours_need_read_access(tmp_path: Path, sqlite_url: str, tiny: Any) -> None:
@@ -303,7 +309,13 @@ def test_neighbours_need_read_access(tmp_path: Path, sqlite_url: str, tiny: Any)
     with TestClient(app) as client:
         engine = app.state.memlm.engine
         engine.process_document(1, TEXT, 19000, policy="fullmem")
-        ask = {"model": MODEL, "prompt": CONTEXT, "max_tokens": 2, "temperature": 0, "neighbour": True}
+        ask = {
+            "model": MODEL,
+            "prompt": CONTEXT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "neighbour": True,
+        }
         anonymous = client.post("/v1/completions", json=ask)
         assert anonymous.status_code == 401
         assert anonymous.json()["error"]["type"] == "authentication_error"
@@ -331,9 +343,7 @@ def test_a_stream_that_fails_half_way_ends_with_an_error_chunk(
             return gen
 
         monkeypatch.setattr(engine, "start_generation_ids", failing)
-        r = client.post(
-            "/v1/completions", json={"model": MODEL, "prompt": CONTEXT, "stream": True}
-        )
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": CONTEXT, "stream": True})
         assert r.status_code == 200
         assert r.text.split("\n\n") == [
             'data: {"error": {"message": "internal server error", "type": "server_error", '

@@ -83,18 +83,17 @@ class GeneratedToken:
     knn_prob: float
     lam: float  # lambda of this step (0 where the gate skipped the search or none was found)
     neighbour: Any = None  # the engine's Neighbour of the nearest entry, when asked
-    # the step's ``GenerateConfig.top`` most probable tokens: (id, probability), most
-    # probable first, under the same distribution as ``prob``
-    top: tuple[tuple[int, float], ...] = ()
+    # the step's ``GenerateConfig.top`` most probable tokens under the distribution of
+    # ``prob``, most probable first: (id, decoded alone, probability)
+    top: tuple[tuple[int, str, float], ...] = ()
 
 
-def top_tokens(prob: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
+def top_tokens(prob: np.ndarray, n: int) -> list[int]:
     """The ``n`` most probable tokens of a (V,) distribution, most probable first."""
     if n <= 0:
-        return ()
+        return []
     best = np.argpartition(-prob, n - 1)[:n]
-    best = best[np.argsort(-prob[best], kind="stable")]
-    return tuple((int(t), float(prob[t])) for t in best)
+    return [int(t) for t in best[np.argsort(-prob[best], kind="stable")]]
 
 
 def choose(prob: np.ndarray, cfg: GenerateConfig, rng: np.random.Generator | None) -> int:
@@ -240,6 +239,8 @@ class Generation:
             elif last:
                 self.finish_reason = "length"
             found = engine.nearest(nxt) if cfg.neighbour else None
+            best = top_tokens(prob, cfg.top)
+            names = engine.encoder.token_strings(best) if best else []
             out.append(
                 GeneratedToken(
                     tok,
@@ -250,7 +251,7 @@ class Generation:
                     float(nxt.knn[0, tok]),
                     float(nxt.lam[0]),
                     found,
-                    top_tokens(prob, cfg.top),
+                    tuple((t, name, float(prob[t])) for t, name in zip(best, names, strict=True)),
                 )
             )
             if not self.done:  # the last token needs no forward

@@ -107,9 +107,8 @@ class ScoreResult:
     knn_logprobs: list[float] = field(default_factory=list)
     lambdas: list[float] = field(default_factory=list)
     # ``score_ids(top=N)``: per scored token, the N most probable tokens of the augmented
-    # distribution at its position and their log-probabilities, most probable first
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
+    # distribution at its position, most probable first: (id, decoded alone, log-prob)
+    top: list[list[tuple[int, str, float]]] | None = None
     # ``score_ids(nearest=True)``: per scored token, the nearest entry of its search
     nearest: list[Neighbour | None] | None = None
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from memlm.calibrator import ServedInterpolation
 from memlm.encoder import TokenOutputs
@@ -88,9 +89,9 @@ class ScoreMixin(EngineCore):
             scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
         store = pol.decide(scores)
         lm = out.target_logprob.astype(np.float64)
-        top_ids = top_lp = None
+        tops = None
         if top:
-            top_ids, top_lp = self._top_tokens(out, (dist, eids, vals), lam, aug, top, served)
+            tops = self._top_tokens(out, (dist, eids, vals), lam, aug, top, served)
         found = None
         if nearest:
             found = self._nearest_all(eids, vals, dist)
@@ -105,8 +106,7 @@ class ScoreMixin(EngineCore):
             trime_ppl=None if trime is None else perplexity(trime),
             knn_logprobs=knn.tolist(),
             lambdas=np.where(valid, lam, 0.0).astype(np.float64).tolist(),
-            top_ids=top_ids,
-            top_logprobs=top_lp,
+            top=tops,
             nearest=found,
         )
 
@@ -118,9 +118,9 @@ class ScoreMixin(EngineCore):
         aug: np.ndarray,
         top: int,
         served: ServedInterpolation,
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> list[list[tuple[int, str, float]]]:
         """The ``top`` most probable tokens of (1 - lambda) p_LM + lambda p_kNN at each
-        scored position, and their log-probabilities, most probable first.
+        scored position, most probable first: (id, decoded alone, log-probability).
 
         Exact without the (n, V) mixture: a token outside the LM's ``top`` and outside the
         neighbour values has the mass (1 - lambda) p_LM of a token below all of the LM's
@@ -131,10 +131,14 @@ class ScoreMixin(EngineCore):
         """
         dist, eids, vals = search
         n = len(out)
-        lm_top = np.empty((n, top), np.int64)
-        for s in range(0, n, BLOCK_ROWS):
-            lp = self.encoder.full_logprobs(out.hidden[s : s + BLOCK_ROWS])  # (b, V)
-            lm_top[s : s + BLOCK_ROWS] = np.argpartition(-lp, top - 1, axis=1)[:, :top]
+        if top == 1:  # the encoder kept each position's LM argmax
+            lm_top = out.top_id[:, None]
+        else:
+            lm_top = np.empty((n, top), np.int64)
+            for s in range(0, n, BLOCK_ROWS):
+                h = torch.from_numpy(np.ascontiguousarray(out.hidden[s : s + BLOCK_ROWS]))
+                logits = self.encoder.logits(h)  # (b, V): the LM's order is its logits'
+                lm_top[s : s + BLOCK_ROWS] = torch.topk(logits, top, dim=1).indices.numpy()
         cand = np.concatenate([out.targets[:, None], lm_top, vals.astype(np.int64)], axis=1)
         cand_lm = self.encoder.logprobs_for(out.hidden, out.lse, cand).astype(np.float64)
         knn = knn_logprob(dist, eids, vals, cand, served.params.temperature)
@@ -142,8 +146,7 @@ class ScoreMixin(EngineCore):
         cand_aug = np.where(cand == out.targets[:, None], aug[:, None], cand_aug)
         cand_aug[cand < 0] = -np.inf  # padding neighbours are no tokens
         order = np.argsort(-cand_aug, axis=1, kind="stable")
-        ids_out: list[list[int]] = []
-        lps_out: list[list[float]] = []
+        rows: list[dict[int, float]] = []
         for r in range(n):
             seen: dict[int, float] = {}
             for c in order[r]:
@@ -152,9 +155,9 @@ class ScoreMixin(EngineCore):
                     seen[tok] = float(cand_aug[r, c])
                     if len(seen) == top:
                         break
-            ids_out.append(list(seen))
-            lps_out.append(list(seen.values()))
-        return ids_out, lps_out
+            rows.append(seen)
+        names = iter(self.encoder.token_strings([t for seen in rows for t in seen]))
+        return [[(t, next(names), lp) for t, lp in seen.items()] for seen in rows]
 
     def _nearest_all(
         self, eids: np.ndarray, vals: np.ndarray, dist: np.ndarray

@@ -44,6 +44,7 @@ from service.completions import (
 from service.deps import EngineDep, ReadAccess, ReadAuth, State
 from service.errors import error_responses, install_error_shape
 from service.openai_schemas import (
+    CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     ChatChoice,
     ChatChunkChoice,
@@ -59,6 +60,7 @@ from service.openai_schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FinishReason,
     MemoryInfo,
     ModelCard,
     ModelList,
@@ -120,10 +122,22 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _STREAM = {
-    "description": "with `stream: true`: server-sent events, `data: <chunk>` (the answer's "
-    'shape, with the new text) per step, `data: {"error": ...}` on a failure after the '
-    "first byte, then `data: [DONE]`",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    "description": "with `stream: true`: server-sent events without an event name, `data: "
+    '<chunk>` (the answer\'s shape, with the new text) per step, `data: {"error": ...}` on '
+    "a failure after the first byte, then `data: [DONE]`",
+    # the schema of one event, as schemathesis (and OpenAPI 3.2's itemSchema) reads a stream
+    "content": {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "event": {"type": "string", "enum": ["message"]},
+                    "data": {"type": "string", "description": "a chunk's JSON, or [DONE]"},
+                },
+            }
+        }
+    },
 }
 
 
@@ -218,22 +232,18 @@ def _keep_max(top: dict[str, float], token: str, logprob: float) -> None:
 
 def echo_rows(engine: EngineLike, prompt: PromptIn, score: Any) -> list[Row]:
     """The prompt's tokens as ``score_ids`` scored them (the first one has nothing)."""
-    strings = engine.token_strings(prompt.ids)
-    rows = [Row(strings[0], None, None, None, None, None)]
+    rows = [Row(engine.token_strings(prompt.ids[:1])[0], None, None, None, None, None)]
     if score is None:
         return rows
-    top_ids = score.top_ids or [[] for _ in score.logprobs]
-    flat = [t for ids in top_ids for t in ids]
-    names = iter(engine.token_strings(flat)) if flat else iter(())
     for j, lp in enumerate(score.logprobs):
         logprob = finite(float(lp))
         top: dict[str, float] = {}
-        for tlp in score.top_logprobs[j] if score.top_logprobs else []:
-            _keep_max(top, next(names), finite(float(tlp)))
-        _keep_max(top, strings[j + 1], logprob)
+        for _, name, tlp in score.top[j] if score.top else []:
+            _keep_max(top, name, finite(tlp))
+        _keep_max(top, score.tokens[j], logprob)
         rows.append(
             Row(
-                strings[j + 1],
+                score.tokens[j],
                 logprob,
                 top,
                 finite(float(score.lm_logprobs[j])),
@@ -245,14 +255,13 @@ def echo_rows(engine: EngineLike, prompt: PromptIn, score: Any) -> list[Row]:
     return rows
 
 
-def generated_rows(engine: EngineLike, tokens: Sequence[GeneratedToken]) -> list[Row]:
+def generated_rows(tokens: Sequence[GeneratedToken]) -> list[Row]:
     """Generated tokens under the distribution each was drawn from (before temperature)."""
     rows = []
     for t in tokens:
         logprob = log_or_floor(t.prob)
         top: dict[str, float] = {}
-        names = engine.token_strings([i for i, _ in t.top]) if t.top else []
-        for name, (_, p) in zip(names, t.top, strict=True):
+        for _, name, p in t.top:
             _keep_max(top, name, log_or_floor(p))
         _keep_max(top, t.token, logprob)
         rows.append(
@@ -295,7 +304,7 @@ def _completion_logprobs(rows: Sequence[Row], offset: int) -> CompletionLogprobs
     )
 
 
-def _finish(choice: Choice | None) -> str:
+def _finish(choice: Choice | None) -> FinishReason:
     """OpenAI's finish_reason: the end of text is a natural stop."""
     if choice is None:  # an echo without generation: max_tokens (0) reached
         return "length"
@@ -437,7 +446,7 @@ async def _whole_choice(
     choice = choices[index] if choices else None
     rows = echo_rows(engine, req.prompts[p], req.scores[p]) if req.echo else []
     if choice is not None:
-        rows += generated_rows(engine, choice.tokens)
+        rows += generated_rows(choice.tokens)
     text = req.echo_texts[p] + ("" if choice is None else choice.gen.text)
     start = 0 if req.echo else len(req.prompts[p].text or engine.detokenize(req.prompts[p].ids))
     detail = req.logprobs is not None or req.neighbour
@@ -445,7 +454,7 @@ async def _whole_choice(
         text=text,
         index=index,
         logprobs=None if req.logprobs is None else _completion_logprobs(rows, start),
-        finish_reason=_finish(choice),  # type: ignore[arg-type]
+        finish_reason=_finish(choice),
         memlm=_choice_extra(
             state, choice, await _extras(state, rows, req.neighbour) if detail else None
         ),
@@ -479,7 +488,7 @@ async def _completion_stream(
                     text=text,
                     index=index,
                     logprobs=None if req.logprobs is None else _completion_logprobs(rows, start),
-                    finish_reason=_finish(choice) if last else None,  # type: ignore[arg-type]
+                    finish_reason=_finish(choice) if last else None,
                     memlm=_choice_extra(state, choice, extra)
                     if last
                     else (ChoiceExtra(tokens=extra) if extra is not None else None),
@@ -499,7 +508,7 @@ async def _completion_stream(
         if reserved is not None:
             async for c, tokens in run_choices(state, choices, reserved):
                 text = "".join(t.text for t in tokens)
-                yield await chunk(c.index, text, generated_rows(engine, tokens), c, c.gen.done)
+                yield await chunk(c.index, text, generated_rows(tokens), c, c.gen.done)
         if usage:
             body = Completion(
                 id=req.id,
@@ -570,13 +579,10 @@ async def chat_completions(
             "(MEMLM_MAX_CONTEXT_CHARS)",
             "messages",
         )
-    asked = body.max_completion_tokens or body.max_tokens
-    limit = state.settings.max_generate_tokens
-    check_admission(state, 1, body.n, asked or limit, echo=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
+    check_admission(state, 1, body.n, max_tokens, echo=False)
     ids = engine.chat_ids(messages)
     prompt = PromptIn(ids, None)
-    # unasked, an answer may run to the generation limit or the model's last position
-    max_tokens = asked or max(1, min(limit, engine.generation_positions - len(ids)))
     check_sizes(state, engine, [prompt], body.n, max_tokens, echo=False)
     sampling = Sampling(
         max_tokens=max_tokens,
@@ -603,14 +609,14 @@ async def chat_completions(
         pass
     out = []
     for c in choices:
-        rows = generated_rows(engine, _answer_tokens(c, c.tokens))
+        rows = generated_rows(_answer_tokens(c, c.tokens))
         detail = logprobs or body.neighbour
         out.append(
             ChatChoice(
                 index=c.index,
                 message=ChatMessageOut(content=c.gen.text),
                 logprobs=_chat_logprobs(rows, sampling.top) if logprobs else None,
-                finish_reason=_finish(c),  # type: ignore[arg-type]
+                finish_reason=_finish(c),
                 memlm=_choice_extra(
                     state, c, await _extras(state, rows, body.neighbour) if detail else None
                 ),
@@ -649,7 +655,7 @@ async def _chat_stream(
                 ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))
             )
         async for c, tokens in run_choices(state, choices, reserved):
-            rows = generated_rows(engine, _answer_tokens(c, tokens))
+            rows = generated_rows(_answer_tokens(c, tokens))
             extra = await _extras(state, rows, body.neighbour) if detail else None
             done = c.gen.done
             yield chunk(
@@ -657,7 +663,7 @@ async def _chat_stream(
                     index=c.index,
                     delta=ChatDelta(content="".join(t.text for t in tokens)),
                     logprobs=_chat_logprobs(rows, body.top_logprobs or 0) if logprobs else None,
-                    finish_reason=_finish(c) if done else None,  # type: ignore[arg-type]
+                    finish_reason=_finish(c) if done else None,
                     memlm=_choice_extra(state, c, extra)
                     if done
                     else (ChoiceExtra(tokens=extra) if extra is not None else None),
