@@ -9,8 +9,9 @@ change of the machine's load hits every row), one request at a time:
     ``--tokens`` tokens at most; whole JSON answers and server-sent event streams;
   - scoring: ``POST /score`` against ``POST /v1/completions`` with ``echo``,
     ``max_tokens: 0`` and ``logprobs: 1`` (a log-likelihood as evaluation tools ask for
-    it) of the same text, and lm-evaluation-harness's own request (token ids, echo,
-    ``max_tokens: 1``, ``logprobs: 1``).
+    it) of the same text; and lm-evaluation-harness's own request (token ids, echo,
+    ``max_tokens: 1``, ``logprobs: 1``: a score and a one-token generation) against
+    ``/score`` followed by a one-token ``/generate``, the same work in memlm's routes.
 
 Prints tokens per second (generated, or scored) and the /v1 row's overhead against the
 memlm row it does the same work as, and the load average.
@@ -120,58 +121,41 @@ def main() -> None:
 
         gen = {"max_tokens": n}
         v1 = {"model": model, "max_tokens": n, "temperature": 0}
+
+        def generate() -> int:
+            return int(post("/generate", {**gen, "context": text()})["generated_tokens"])
+
+        def completion() -> int:
+            return int(
+                post("/v1/completions", {**v1, "prompt": text()})["usage"]["completion_tokens"]
+            )
+
+        def score() -> int:  # the text's tokens: the first is read, not scored
+            return len(post("/score", {"text": text()})["logprobs"]) + 1
+
+        def echo() -> int:
+            body = {"model": model, "prompt": text(), "max_tokens": 0, "echo": True, "logprobs": 1}
+            return int(post("/v1/completions", body)["usage"]["prompt_tokens"])
+
+        def score_and_one() -> int:
+            post("/generate", {"context": text(), "max_tokens": 1})
+            return score()
+
+        def lm_eval() -> int:
+            body = {"model": model, "prompt": [current[0]], "max_tokens": 1, "echo": True,
+                    "logprobs": 1, "temperature": 0, "seed": 1234}  # fmt: skip
+            return int(post("/v1/completions", body)["usage"]["prompt_tokens"])
+
         paths = {
-            "/generate": row(
-                "/generate",
-                lambda: post("/generate", {**gen, "context": text()})["generated_tokens"],
-            ),
-            "/v1/completions": row(
-                "/v1/completions",
-                lambda: post("/v1/completions", {**v1, "prompt": text()})["usage"][
-                    "completion_tokens"
-                ],
-            ),
+            "/generate": row("/generate", generate),
+            "/v1/completions": row("/v1/completions", completion),
             "/generate stream": row("/generate stream", generate_stream),
             "/v1/completions stream": row("/v1/completions stream", v1_stream),
-            "/score": row("/score", lambda: len(post("/score", {"text": text()})["logprobs"])),
-            "/v1/completions echo": row(
-                "/v1/completions echo",
-                lambda: (
-                    len(
-                        post(
-                            "/v1/completions",
-                            {
-                                "model": model,
-                                "prompt": text(),
-                                "max_tokens": 0,
-                                "echo": True,
-                                "logprobs": 1,
-                            },  # fmt: skip
-                        )["choices"][0]["logprobs"]["tokens"]
-                    )
-                    - 1
-                ),
-            ),
-            "/v1/completions lm-eval": row(
-                "/v1/completions lm-eval",
-                lambda: (
-                    len(
-                        post(
-                            "/v1/completions",
-                            {
-                                "model": model,
-                                "prompt": [current[0]],
-                                "max_tokens": 1,
-                                "echo": True,
-                                "logprobs": 1,
-                                "temperature": 0,
-                                "seed": 1234,
-                            },  # fmt: skip
-                        )["choices"][0]["logprobs"]["tokens"]
-                    )
-                    - 1
-                ),
-            ),
+            "/score": row("/score", score),
+            "/v1/completions echo": row("/v1/completions echo", echo),
+            # lm-evaluation-harness's request, and the same work in memlm's own two requests
+            "/score + /generate 1": row("/score + /generate 1", score_and_one),
+            "/v1/completions lm-eval": row("/v1/completions lm-eval", lm_eval),
         }
         times = interleaved(paths, args.rounds, warmup=1, before_round=next_round)
 
@@ -190,7 +174,7 @@ def main() -> None:
         "/v1/completions": "/generate",
         "/v1/completions stream": "/generate stream",
         "/v1/completions echo": "/score",
-        "/v1/completions lm-eval": "/score",
+        "/v1/completions lm-eval": "/score + /generate 1",
     }
     rates = {
         name: statistics.median(k / s for k, s in zip(done[name][1:], secs, strict=True))
@@ -200,21 +184,28 @@ def main() -> None:
         name: statistics.median(k / s for k, s in zip(done[name][1:], cpu[name][1:], strict=True))
         for name in times
     }
+    generated = {"/generate", "/v1/completions", "/generate stream", "/v1/completions stream"}
     rows = []
     for name in times:
         ref = pairs.get(name)
         rows.append(
             (
                 name,
-                "scored" if "score" in name or "echo" in name or "lm-eval" in name else "generated",
+                "generated" if name in generated else "read (scored)",
                 rates[name],
                 cpu_rates[name],
-                "" if ref is None else f"{100 * (rates[ref] / rates[name] - 1):+.1f}% vs {ref}",
+                "" if ref is None else f"{100 * (rates[ref] / rates[name] - 1):+.1f}%",
+                "" if ref is None else f"{100 * (cpu_rates[ref] / cpu_rates[name] - 1):+.1f}%",
+                ref or "",
             )
         )
-    header = ["route", "tokens", "tokens/s (wall)", "tokens per CPU second", "overhead (wall)"]
+    header = ["route", "tokens", "tokens/s (wall)", "tokens per CPU second", "overhead (wall)",
+              "overhead (CPU)", "against"]  # fmt: skip
     print(markdown_table(header, rows, digits=1))
-    print("(medians over the rounds; overhead: how much longer the /v1 request takes)")
+    print(
+        "(medians over the rounds; overhead: how much longer the /v1 request takes than the "
+        "memlm row that does the same work; CPU: the process's CPU seconds, server included)"
+    )
 
 
 if __name__ == "__main__":
