@@ -27,13 +27,13 @@ from memlm.api import (
     RebuildRequest,
     ScoreRequest,
 )
-from memlm.settings import Settings
-from service.openai_schemas import (
+from memlm.api.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from memlm.settings import Settings
 
 # Every request body (with the models they hold, which come along).
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (

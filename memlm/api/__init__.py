@@ -9,8 +9,9 @@ One module per part of the API: :mod:`~memlm.api.common` (strict bodies, JSON
 integers, storable text, the error body), :mod:`~memlm.api.documents` (ingest,
 documents, forget), :mod:`~memlm.api.inference` (``/predict``, ``/score``),
 :mod:`~memlm.api.generate` (``/generate``), :mod:`~memlm.api.admin` (stats, policy,
-rebuild, builds, health) and :mod:`~memlm.api.dashboard` (the dashboard's time series;
-not re-exported here).
+rebuild, builds, health), :mod:`~memlm.api.dashboard` (the dashboard's time series) and
+:mod:`~memlm.api.openai` (the OpenAI-compatible ``/v1/`` and the tokenizer endpoints);
+the last two are not re-exported here.
 """
 
 from memlm.api.admin import (

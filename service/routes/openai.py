@@ -21,29 +21,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import StreamingResponse
 
-from memlm.db.errors import DomainError
-from memlm.engine import EngineLike
-from memlm.engine.generation import GeneratedToken
-from service.completions import (
-    BadRequest,
-    Choice,
-    ContextTooLong,
-    ModelNotFound,
-    PromptIn,
-    Sampling,
-    check_admission,
-    check_sizes,
-    finite,
-    log_or_floor,
-    neighbours_of,
-    read_prompts,
-    run_choices,
-    score_echo,
-    start_choices,
-)
-from service.deps import EngineDep, ReadAccess, ReadAuth, State
-from service.errors import error_responses, install_error_shape
-from service.openai_schemas import (
+from memlm.api.openai import (
     CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     ChatChoice,
@@ -69,6 +47,28 @@ from service.openai_schemas import (
     TopLogprob,
     Usage,
 )
+from memlm.db.errors import DomainError
+from memlm.engine import EngineLike
+from memlm.engine.generation import GeneratedToken
+from service.completions import (
+    BadRequest,
+    Choice,
+    ContextTooLong,
+    ModelNotFound,
+    PromptIn,
+    Sampling,
+    check_admission,
+    check_sizes,
+    finite,
+    log_or_floor,
+    neighbours_of,
+    read_prompts,
+    run_choices,
+    score_echo,
+    start_choices,
+)
+from service.deps import EngineDep, ReadAccess, ReadAuth, State
+from service.errors import error_responses, install_error_shape
 from service.provenance import check_neighbour_access
 from service.state import AppState
 

@@ -15,15 +15,15 @@ from functools import partial
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import EngineDep, ReadAuth, State
-from service.errors import InvalidRequest, PayloadTooLarge, error_responses
-from service.openai_schemas import (
+from memlm.api.openai import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )
+from service.deps import EngineDep, ReadAuth, State
+from service.errors import InvalidRequest, PayloadTooLarge, error_responses
 from service.routes.inference import INLINE_CHARS, off_loop_if_long
 from service.state import AppState
 

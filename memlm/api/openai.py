@@ -1,5 +1,6 @@
 """Request and response bodies of the OpenAI-compatible API (``/v1/``): the legacy
-completions, chat completions and models, as OpenAI's clients send and read them.
+completions, chat completions and models, as OpenAI's clients send and read them, and
+vLLM's tokenizer endpoints.
 
 A request names every field OpenAI defines for its endpoint; a field memlm cannot honour
 is accepted only at its neutral value (``suffix: null``, ``presence_penalty: 0``...) and
