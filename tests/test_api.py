@@ -971,12 +971,16 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
     statuses = {}
     for path, ops in spec["paths"].items():
         for method, op in ops.items():
-            codes = sorted(int(c) for c in op["responses"])
+            codes = sorted(int(c) for c in op["responses"] if c.isdigit())
             statuses[f"{method.upper()} {path}"] = [c for c in codes if c >= 400]
-            for code in codes:
-                if code >= 400:
-                    content = op["responses"][str(code)]["content"]["application/json"]
-                    assert content["schema"] == {"$ref": "#/components/schemas/ErrorOut"}
+            # the OpenAI-compatible API answers every error in OpenAI's body, 4XX included
+            v1 = path.startswith("/v1/")
+            ranges = [c for c in op["responses"] if not c.isdigit()]
+            assert ranges == (["4XX"] if v1 else []), path
+            model = "OpenAIErrorOut" if v1 else "ErrorOut"
+            for code in [str(c) for c in codes if c >= 400] + ranges:
+                content = op["responses"][code]["content"]["application/json"]
+                assert content["schema"] == {"$ref": f"#/components/schemas/{model}"}
     body, auth = [400, 413], [401]
     assert statuses == {
         "POST /ingest": sorted([*body, *auth, 422, 500, 503]),
@@ -996,6 +1000,13 @@ def test_openapi_declares_the_error_model_for_every_error_status(env: Env) -> No
         "GET /healthz": [500],
         "GET /readyz": [500, 503],
         "GET /metrics": [500],
+        "GET /v1/models": [401, 429, 500, 503],
+        "GET /v1/models/{model}": [401, 404, 429, 500, 503],
+        "POST /v1/completions": sorted([*body, *auth, 404, 429, 500, 503]),
+        "POST /v1/chat/completions": sorted([*body, *auth, 404, 429, 500, 503]),
+        "GET /tokenizer_info": [401, 500, 503],
+        "POST /tokenize": sorted([*body, *auth, 422, 500, 503]),
+        "POST /detokenize": sorted([*body, *auth, 422, 500, 503]),
     }
 
 

@@ -109,7 +109,11 @@ def install(app: FastAPI) -> None:
 
 
 def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    out = error_responses(*statuses)
+    """OpenAPI ``responses`` of a /v1 route: these statuses (and 500), and any other client
+    error (a 405...), all with OpenAI's error body. The range also stands for the 422 that
+    FastAPI would declare with its own body: /v1 answers a body that does not validate 400."""
+    out = error_responses(*statuses, 500)
+    out["4XX"] = {"description": "any other client error"}
     for status, response in out.items():
         response["model"] = OpenAIErrorOut
         if status == 400:
