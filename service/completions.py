@@ -28,6 +28,7 @@ from typing import Any, cast
 from starlette.concurrency import run_in_threadpool
 
 from memlm.api import NeighbourOut
+from memlm.api.openai import MAX_CHOICES
 from memlm.db.errors import DomainError
 from memlm.engine import EngineLike
 from memlm.engine.generation import GenerateConfig, GeneratedToken
@@ -37,9 +38,6 @@ from service.routes.generate import GENERATE, GENERATE_STEP
 from service.routes.inference import SCORE, off_loop_if_long, request_cost
 from service.state import AppState
 
-# Prompts times choices in one request: the admission prices a request by its whole cost,
-# this only bounds the bookkeeping of one body (lm-evaluation-harness sends batch_size).
-MAX_CHOICES = 64
 # What a log-probability of 0 (or below float64's range) is reported as: JSON has no
 # -Infinity, and /score reports the same.
 NO_LOGPROB = -1e30

@@ -38,15 +38,20 @@ def _schema() -> Any:
 
 
 SCHEMA = _schema()
+# The OpenAI-compatible API and the tokenizer endpoints speak token ids, which the fake
+# engine (words) has none of: test_api_contract fuzzes them against the tiny model.
+TOKEN_IDS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 OPERATIONS = [
-    (op.path, op.method.upper()) for op in (result.ok() for result in SCHEMA.get_all_operations())
+    (op.path, op.method.upper())
+    for op in (result.ok() for result in SCHEMA.get_all_operations())
+    if not op.path.startswith(TOKEN_IDS)
 ]
 # Invalid requests exist only where there is something to get wrong (a body or a path id).
 TAKES_INPUT = {
     (path, method.upper())
     for path, ops in SCHEMA.raw_schema["paths"].items()
     for method, op in ops.items()
-    if "requestBody" in op or op.get("parameters")
+    if ("requestBody" in op or op.get("parameters")) and not path.startswith(TOKEN_IDS)
 }
 CASES = [
     pytest.param(path, method, mode, id=f"{mode.value}-{method} {path}")

@@ -22,6 +22,9 @@ from memlm.api import NeighbourOut
 MAX_TOP_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs` (vLLM's default)
 MAX_STOP = 8  # stop strings (memlm's /generate; OpenAI allows 4)
 MAX_N = 16  # choices per prompt
+# Prompts in one request, and prompts times choices: the admission prices a request by its
+# whole cost; this bounds one body's bookkeeping (lm-evaluation-harness sends batch_size)
+MAX_CHOICES = 64
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions
 # A chat answer's default length: /generate's. OpenAI's runs to the context's end, which a
 # base model that never says its end-of-turn token would spend on every unbounded call.
@@ -30,9 +33,11 @@ CHAT_DEFAULT_MAX_TOKENS = 32
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
     Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
+    ]
     | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1)]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
 )
 Stop = (
     Annotated[str, Field(min_length=1, max_length=100)]

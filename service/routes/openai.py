@@ -524,6 +524,9 @@ async def _completion_stream(
             yield _sse(body.model_dump_json())
     except Exception as exc:  # the headers are gone: the error is the last chunk
         yield _stream_error(exc)
+    finally:  # a client that left before the steps began must not keep the reservation
+        if reserved is not None:
+            reserved.close()
     yield DONE
 
 
@@ -689,4 +692,6 @@ async def _chat_stream(
             yield _sse(out.model_dump_json())
     except Exception as exc:  # the headers are gone: the error is the last chunk
         yield _stream_error(exc)
+    finally:  # a client that left before the steps began must not keep the reservation
+        reserved.close()
     yield DONE
