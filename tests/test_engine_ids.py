@@ -129,3 +129,27 @@ def test_the_tokenizer(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tok, "chat_template", None)
     with pytest.raises(EngineInputError, match="no chat template"):
         engine.chat_ids(messages)
+
+
+@pytest.mark.milvus
+def test_generation_and_echo_on_milvus(tmp_path: Path, encoder: Encoder, milvus_url: str) -> None:
+    """The memory behind the protocol: a generation read the faiss index's version, which a
+    Milvus memory has none of (a 500 on /generate and /v1); it has none to report."""
+    (tmp_path / "data").mkdir()  # the service's data directory (lexical statistics)
+    e = Engine.open(
+        tmp_path / "data",
+        encoder=encoder,
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        memory_url=milvus_url,
+    )
+    e.process_document(1, TEXT, 19000, policy="fullmem")
+    gen = e.start_generation_ids(e.tokenize(TEXT[: TEXT.index(" ferry")]), GenerateConfig(3))
+    assert [t.token for t in gen.step(3)] == [" ferry", " timetable", " on"]
+    assert gen.index_version is None
+    ids = e.tokenize(TEXT)
+    s = e.score_ids(ids, top=1, nearest=True)
+    assert s.nearest is not None and s.top is not None
+    assert [(n.doc_id, n.position) for n in s.nearest if n is not None] == [
+        (1, p) for p in range(1, len(ids))
+    ]
+    assert [top[0][0] for top in s.top] == ids[1:]
