@@ -14,9 +14,10 @@ eval-quick:
 
 # The same checks locally and in CI (.ci/run): format, lint, types, layering, then tests.
 # Three test processes: most slow tests wait on servers and subprocesses, not on the two
-# cores (the parallel run shares one Milvus server: tests/milvus_fixtures.py).
+# cores (the parallel run shares one Milvus server: tests/milvus_fixtures.py). loadgroup:
+# the tests marked xdist_group("memlm_up") run in one process, which starts one `memlm up`.
 test: install lint
-	$(PY) -m pytest -q -n 3
+	$(PY) -m pytest -q -n 3 --dist loadgroup
 
 lint:
 	$(PY) -m ruff format --check .

@@ -32,6 +32,7 @@ from memlm.api.openai import MAX_CHOICES
 from memlm.db.errors import DomainError
 from memlm.engine import EngineLike
 from memlm.engine.generation import GenerateConfig, GeneratedToken
+from memlm.engine.protocol import GenerationLike
 from service.executor import Reservation
 from service.provenance import provenance
 from service.routes.generate import GENERATE, GENERATE_STEP
@@ -109,7 +110,8 @@ class Choice:
 
     index: int
     prompt: int
-    gen: Any  # memlm.engine.generation.Generation (or a fake's)
+    gen: GenerationLike
+    max_tokens: int
     tokens: list[GeneratedToken] = field(default_factory=list)
 
 
@@ -223,7 +225,12 @@ async def start_choices(
 
     def run() -> list[Choice]:
         return [
-            Choice(p * n + j, p, engine.start_generation_ids(prompt.ids, sampling.config(j)))
+            Choice(
+                p * n + j,
+                p,
+                engine.start_generation_ids(prompt.ids, sampling.config(j)),
+                sampling.max_tokens,
+            )
             for p, prompt in enumerate(prompts)
             for j in range(n)
         ]
@@ -243,7 +250,7 @@ async def run_choices(
     with reserved:
         while live := [c for c in choices if not c.gen.done]:
             for c in live:
-                left = c.gen.cfg.max_tokens - len(c.tokens)
+                left = c.max_tokens - len(c.tokens)
                 tokens = await reserved.call(
                     partial(c.gen.step, chunk), cost=max(1, min(chunk, left))
                 )

@@ -39,6 +39,7 @@ metric_list:
 
 
 @pytest.mark.slow  # imports lm-evaluation-harness and its stack in a subprocess (~10 s)
+@pytest.mark.xdist_group("memlm_up")  # the process of the other tests of the live server
 def test_local_completions_loglikelihoods_are_scores_sums(
     memlm_up: LiveServer, tmp_path: Path
 ) -> None:

@@ -27,6 +27,10 @@ from tests.service_helpers import READ, make_settings
 
 # --- the official client against `memlm up` --------------------------------------------------
 
+# One `memlm up` per test process: `make test` (pytest -n 3 --dist loadgroup) runs the
+# tests that share it in one process.
+LIVE = pytest.mark.xdist_group("memlm_up")
+
 
 @pytest.fixture(scope="module")
 def oa(memlm_up: LiveServer) -> Iterator[openai.OpenAI]:
@@ -45,6 +49,7 @@ def mc(memlm_up: LiveServer) -> Iterator[Client]:
 CONTEXT = "The central bank of Ireland"
 
 
+@LIVE
 def test_the_client_lists_the_served_model_and_its_memory(oa: openai.OpenAI, mc: Client) -> None:
     [card] = oa.models.list().data
     assert (card.id, card.object, card.owned_by) == (MODEL, "model", "memlm")
@@ -62,6 +67,7 @@ def test_the_client_lists_the_served_model_and_its_memory(oa: openai.OpenAI, mc:
         oa.models.retrieve("gpt-4o")
 
 
+@LIVE
 def test_a_completion_is_generates_continuation(oa: openai.OpenAI, mc: Client) -> None:
     r = oa.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=6, temperature=0)
     g = mc.generate(CONTEXT, max_tokens=6)
@@ -78,6 +84,7 @@ def test_a_completion_is_generates_continuation(oa: openai.OpenAI, mc: Client) -
     )
 
 
+@LIVE
 def test_a_stream_adds_up_to_the_whole_answer(oa: openai.OpenAI, memlm_up: LiveServer) -> None:
     ask: dict[str, Any] = {"model": MODEL, "prompt": CONTEXT, "max_tokens": 6, "temperature": 0}
     whole = oa.completions.create(**ask, logprobs=2).choices[0]
@@ -107,6 +114,7 @@ def test_a_stream_adds_up_to_the_whole_answer(oa: openai.OpenAI, memlm_up: LiveS
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]) == whole.text
 
 
+@LIVE
 def test_echo_logprobs_are_scores_logprobs(oa: openai.OpenAI, mc: Client) -> None:
     text = TEXT[: TEXT.index(" on Tuesday")]
     r = oa.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=3)
@@ -130,6 +138,7 @@ def test_echo_logprobs_are_scores_logprobs(oa: openai.OpenAI, mc: Client) -> Non
     )
 
 
+@LIVE
 def test_lm_eval_style_request_token_ids_echo_and_one_token(
     oa: openai.OpenAI, mc: Client, memlm_up: LiveServer
 ) -> None:
@@ -153,6 +162,7 @@ def test_lm_eval_style_request_token_ids_echo_and_one_token(
     assert detok == {"prompt": text}
 
 
+@LIVE
 def test_choices_sample_with_seed_plus_their_index(oa: openai.OpenAI) -> None:
     ask: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, "seed": 11}
     a = oa.completions.create(**ask, prompt=["The central bank", "Heavy snow"], n=2)
@@ -164,6 +174,7 @@ def test_choices_sample_with_seed_plus_their_index(oa: openai.OpenAI) -> None:
     assert alone.choices[0].text == a.choices[3].text
 
 
+@LIVE
 def test_chat_is_the_completion_of_the_templated_conversation(
     oa: openai.OpenAI, memlm_up: LiveServer
 ) -> None:
@@ -187,6 +198,7 @@ def test_chat_is_the_completion_of_the_templated_conversation(
     assert [len(t.top_logprobs) for t in choice.logprobs.content] == [2] * 5
 
 
+@LIVE
 def test_errors_raise_the_clients_typed_exceptions(oa: openai.OpenAI, memlm_up: LiveServer) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
         oa.completions.create(model="gpt-3.5-turbo-instruct", prompt="x")
