@@ -6,7 +6,7 @@ caller learns"). A snippet is a slice of the document's text at the character sp
 neighbour's token. The spans of every token are stored at ingest (``document_spans``,
 committed with the document), so answering costs a database read, not a tokenisation, and
 recently named documents' spans stay in a bounded cache. Only a window of the text around
-each token is read (:class:`memlm.db.provenance.ProvenanceRepository`), never the whole
+each token is read (:class:`memlm.db.repositories.provenance.ProvenanceRepository`), never the whole
 document. Documents memorised before spans were stored are read whole and tokenised once
 here, in a worker thread (never on the event loop).
 """
@@ -24,8 +24,8 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.api import NeighbourOut
-from memlm.db.provenance import ProvenanceRepository, TextWindow
 from memlm.db.repositories import SpanRepository
+from memlm.db.repositories.provenance import ProvenanceRepository, TextWindow
 from service.errors import Unauthorized
 
 log = logging.getLogger(__name__)

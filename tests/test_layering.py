@@ -47,7 +47,7 @@ def test_the_layering_contracts_hold() -> None:
     [
         ("memlm/engine/core.py", "service.app", "core"),  # engine -> service
         ("memlm/datastore/store.py", "workers.ingest", "core"),  # memory -> workers
-        ("memlm/db/repositories.py", "workers.builder", "db"),  # db -> workers
+        ("memlm/db/repositories/builds.py", "workers.builder", "db"),  # db -> workers
         ("service/deps.py", "workers.ingest", "service-workers"),
         ("workers/builder.py", "service.state", "service-workers"),
         ("memlm/client/sync.py", "memlm.engine.facade", "api"),  # client -> engine

@@ -15,8 +15,8 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.models import Document
-from memlm.db.provenance import WINDOWS_PER_QUERY
 from memlm.db.repositories import DocumentRepository, NewDocument, SpanRepository
+from memlm.db.repositories.provenance import WINDOWS_PER_QUERY
 from service.provenance import SpanCache, provenance, snippet, snippet_of, snippet_window
 from tests.fakes import Neighbour
 
