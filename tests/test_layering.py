@@ -36,6 +36,29 @@ def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess[str
     )
 
 
+def test_the_core_contract_names_every_package_but_the_cli() -> None:
+    """The core contract lists memlm's packages one by one (the CLI, the composition root,
+    is the one left out, with no exception): a new package must join the list."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (core,) = [c for c in config["contracts"] if c["id"] == "core"]
+    assert "ignore_imports" not in core
+    here = {
+        f"memlm.{p.stem}"
+        for p in (ROOT / "memlm").iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.stem != "__init__"
+    }
+    assert set(core["source_modules"]) == here - {"memlm.cli"}
+
+
+def test_no_contract_has_exceptions() -> None:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert [c["id"] for c in config["contracts"] if c.get("ignore_imports")] == []
+
+
 def test_the_layering_contracts_hold() -> None:
     out = lint_imports(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
