@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,45 @@ def test_a_kind_never_timed_is_admitted_one_job_at_a_time() -> None:
     finally:
         ex.close()
     assert ex.per_cost("p") is not None and ex.per_cost("s") is not None  # both timed now
+
+
+class StallingClock:
+    """The real clock, but the model thread stalls on it (as a loaded machine may
+    deschedule it) once armed: between a job's end and the books that say so."""
+
+    def __init__(self) -> None:
+        self.armed = threading.Event()
+        self.model_thread: int | None = None
+
+    def __call__(self) -> float:
+        if self.armed.is_set() and threading.get_ident() == self.model_thread:
+            self.armed.clear()
+            threading.Event().wait(0.3)
+        return time.monotonic()
+
+
+def test_a_caller_is_answered_only_once_the_executor_is_idle_again() -> None:
+    """A sequential client's next request must not find the thread still busy with the
+    one just answered (CI saw a dashboard read refused 429 "timing its first requests")."""
+    clock = StallingClock()
+    ex = ModelExecutor(queue_size=64, max_batch=1, budget_s=2.0, clock=clock)
+
+    def job() -> str:
+        clock.model_thread = threading.get_ident()
+        clock.armed.set()  # the stall comes after the job, when it is timed
+        return "done"
+
+    async def main() -> None:
+        for kind in ("first", "second"):  # an untimed kind, then one timed once
+            assert await ex.call(job, kind=kind) == "done"
+            assert ex.depth() == 0
+            ex.check(kind)  # idle: admitted, not "busy" or "timing its first requests"
+            assert ex.per_cost(kind) is not None
+
+    try:
+        asyncio.run(main())
+    finally:
+        ex.close()
 
 
 def test_full_queue_raises_overloaded_and_errors_reach_the_caller() -> None:

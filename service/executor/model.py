@@ -398,12 +398,17 @@ class ModelExecutor:
                         break
                     jobs.append(nxt)
             self._take(jobs)
+            outcomes: list[tuple[_Job, bool, Any]] = []
             try:
-                self._run([j for j in jobs if not j.abandoned])
+                outcomes = self._run([j for j in jobs if not j.abandoned])
             finally:
                 with self._lock:
                     self._busy = False
                     self._unmeasured.difference_update(j.kind for j in jobs)
+            # Only now are the books settled (idle, timed): a caller woken earlier could
+            # send its next request while this thread still looked busy, and be refused.
+            for job, ok, value in outcomes:
+                job.loop.call_soon_threadsafe(_resolve, job.future, ok, value)
 
     def _take(self, jobs: list[_Job]) -> None:
         """Move ``jobs`` from the queue's books to the running batch's."""
@@ -422,12 +427,15 @@ class ModelExecutor:
     def _timed(self, kind: str, cost: int, t0: float) -> None:
         self.observe(kind, cost, self.clock() - t0)
 
-    def _run(self, jobs: list[_Job]) -> None:
+    def _run(self, jobs: list[_Job]) -> list[tuple[_Job, bool, Any]]:
+        """Run ``jobs`` and time them; their outcomes (job, ok, value or exception), which
+        the caller hands to the awaiting requests once the books are settled."""
+        outcomes: list[tuple[_Job, bool, Any]] = []
         groups: dict[tuple[Any, ...], list[_Job]] = {}
         for job in jobs:
             if job.batch is None:
                 t0 = self.clock()
-                self._run_one(job)
+                outcomes.append(self._run_one(job))
                 self._timed(job.kind, job.cost, t0)
             else:
                 groups.setdefault(job.batch, []).append(job)
@@ -438,19 +446,16 @@ class ModelExecutor:
                 results = key[0]([j.item for j in group])
                 assert len(results) == len(group), "batch function returned a wrong count"
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
-                for j in group:
-                    j.loop.call_soon_threadsafe(_resolve, j.future, False, exc)
+                outcomes.extend((j, False, exc) for j in group)
                 continue
             finally:
                 self._timed(group[0].kind, sum(j.cost for j in group), t0)
-            for j, r in zip(group, results, strict=True):
-                j.loop.call_soon_threadsafe(_resolve, j.future, True, r)
+            outcomes.extend((j, True, r) for j, r in zip(group, results, strict=True))
+        return outcomes
 
-    def _run_one(self, job: _Job) -> None:
+    def _run_one(self, job: _Job) -> tuple[_Job, bool, Any]:
         assert job.fn is not None
         try:
-            value = job.fn(*job.args)
+            return job, True, job.fn(*job.args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
-            job.loop.call_soon_threadsafe(_resolve, job.future, False, exc)
-            return
-        job.loop.call_soon_threadsafe(_resolve, job.future, True, value)
+            return job, False, exc
