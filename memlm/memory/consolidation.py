@@ -44,6 +44,7 @@ from memlm.memory.base import MemoryBackend
 from memlm.memory.usage import Usage
 
 STATE_FILE = "consolidation.json"
+LAST_FILE = "consolidation-last.json"  # the last night's report (``/admin/stats``)
 # Where ``consolidate(crash_at=...)`` stops, in order.
 CONSOLIDATE_CRASH_POINTS = (
     "consolidate_after_test",  # the window tested, nothing retired
@@ -106,14 +107,27 @@ def read_cursor(root: Path) -> int:
     return int(json.loads(path.read_text(encoding="utf-8")).get("cursor", 0))
 
 
-def write_cursor(root: Path, cursor: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (STATE_FILE + ".tmp")
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"cursor": int(cursor)}))
+        f.write(json.dumps(obj))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / STATE_FILE)
+    os.replace(tmp, path)
+
+
+def write_cursor(root: Path, cursor: int) -> None:
+    _write_json(root / STATE_FILE, {"cursor": int(cursor)})
+
+
+def read_last(root: Path) -> dict[str, Any] | None:
+    """The last night's report saved by ``consolidate`` (None before the first)."""
+    path = root / LAST_FILE
+    if not path.exists():
+        return None
+    out: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return out
 
 
 def score_today(
@@ -209,4 +223,5 @@ def consolidate(
         _crash(crash_at, "consolidate_after_budget")
     rep.live_after = memory.count()
     rep.seconds = round(time.perf_counter() - t0, 3)
+    _write_json(root / LAST_FILE, rep.to_json())
     return rep
