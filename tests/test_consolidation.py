@@ -196,7 +196,9 @@ def test_the_budget_is_kept_after_a_build(memory: MemoryBackend, criterion: str)
     # the scattered entries were retrieved and helped, except the last two
     used = np.array(scattered[:-2], np.int64)
     usage.add(used.reshape(-1, 1), np.array([[live[i][1]] for i in used]), used * 0 + 0)
-    usage.add(used.reshape(-1, 1), np.array([[live[i][1]] for i in used]), [live[i][1] for i in used])
+    usage.add(
+        used.reshape(-1, 1), np.array([[live[i][1]] for i in used]), [live[i][1] for i in used]
+    )
     cfg = ConsolidationConfig(sample=0, budget=10, criterion=criterion)  # type: ignore[arg-type]
     rep = consolidate(memory, cfg, PARAMS, usage)
     assert rep.retired == {"test": 0, "budget": 6} and memory.count() == 10

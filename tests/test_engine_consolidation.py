@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from memlm.calibrator.constant import TuneGrid
 from memlm.calibrator.heldout import HeldOutConfig
 from memlm.engine import Engine
 from memlm.knnlm import KnnParams

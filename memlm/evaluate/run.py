@@ -211,7 +211,7 @@ def run_policy(
                 knn,
                 usage,
                 state=workdir,
-                lm_logprob=lambda ids: lm_all[ids],
+                lm_logprob=lm_all.__getitem__,
             )
             night = rep.to_json() | {"usage": usage.totals()}
             usage.save(workdir)

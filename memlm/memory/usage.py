@@ -39,7 +39,9 @@ class Usage:
         self.hits = np.empty(0, np.int64)
         self._lock = threading.Lock()
 
-    def add(self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int32], gold: np.ndarray) -> None:
+    def add(
+        self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int32], gold: np.ndarray
+    ) -> None:
         """Count one search: ids, vals (n, k) neighbours of n tokens, gold (n,) tokens."""
         ok = ids >= 0
         if not ok.any():
@@ -66,9 +68,7 @@ class Usage:
         with self._lock:
             at = np.searchsorted(self.blocks, b)
             at = np.minimum(at, max(0, len(self.blocks) - 1))
-            found = (
-                self.blocks[at] == b if len(self.blocks) else np.zeros(b.shape, dtype=bool)
-            )
+            found = self.blocks[at] == b if len(self.blocks) else np.zeros(b.shape, dtype=bool)
             hits = np.where(found, self.hits[at] if len(self.blocks) else 0, 0)
             ret = np.where(found, self.retrievals[at] if len(self.blocks) else 0, 0)
         return hits.astype(np.int64), ret.astype(np.int64)
