@@ -23,6 +23,7 @@ BUDGET = 60  # below what the re-test leaves of the duplicated stream (~117)
 def _open(data_dir: Path, encoder: Any, url: str | None) -> Engine:
     """MoNIM with delta 0 stores every token (so usage is counted from its searches);
     consolidation re-tests against MoNIM's usual -1.5 with lambda 0.5."""
+    data_dir.mkdir(parents=True, exist_ok=True)  # the service's settings create it
     return Engine.open(
         data_dir,
         encoder=encoder,
