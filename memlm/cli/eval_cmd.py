@@ -39,7 +39,7 @@ def eval_command(
     ),
     budget: int | None = typer.Option(None, help="+budget policies: entries kept after a build"),
     budget_criterion: str = typer.Option(
-        "usage", help="what a +budget policy retires first: usage, redundancy, age or random"
+        "age", help="what a +budget policy retires first: age, usage, redundancy or random"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(

@@ -74,7 +74,7 @@ class EvalConfig:
     # retiring first by ``budget_criterion`` (usage, redundancy, age, random)
     consolidate_sample: int = 2048
     budget: int | None = None
-    budget_criterion: str = "usage"
+    budget_criterion: str = "age"
 
     @property
     def resuming(self) -> bool:

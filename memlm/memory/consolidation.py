@@ -18,9 +18,10 @@ forget racing consolidation: retiring an entry of a forgotten document counts 0 
 brings nothing back (both are deletions).
 
 The test is ``memlm.knnlm.consolidate``; what the budget retires first is ``criterion``:
-``usage`` (fewest hits of its block, ``memlm.memory.usage``, then most redundant),
-``redundancy`` (highest leave-one-out log-probability today), ``age`` (oldest ids first)
-or ``random``.
+``age`` (oldest ids first: the default, because it measured best on slice20,
+docs/results/slice20-consolidate), ``usage`` (fewest hits of its block,
+``memlm.memory.usage``, then most redundant), ``redundancy`` (highest leave-one-out
+log-probability today) or ``random``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class ConsolidationConfig:
     sample: int = 0
     delta: float = DEFAULT_DELTA  # MoNIM's threshold, the one the policy stores with
     budget: int | None = None  # live entries kept after a build; None: no budget
-    criterion: Criterion = "usage"
+    criterion: Criterion = "age"  # measured best on slice20 (Settings.budget_criterion)
     seed: int = 0  # the random criterion's
 
     @property
@@ -82,7 +83,7 @@ class ConsolidationReport:
     cursor: tuple[int, int] = (0, 0)  # (from, to)
     wrapped: bool = False  # the window reached the end of the memory
     budget: int | None = None
-    criterion: str = "usage"
+    criterion: str = "age"
     live_before: int = 0
     live_after: int = 0
     seconds: float = 0.0
