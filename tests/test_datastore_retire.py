@@ -84,3 +84,19 @@ def test_retire_crash_at_each_point(tmp_path: Path, point: str) -> None:
     # a retry counts only what was not committed
     assert again.retire_entries([1, 2]) == (0 if committed else 2)
     assert again.num_live == 18
+
+
+def test_a_copy_of_the_committed_files_keeps_the_retired_entries(tmp_path: Path) -> None:
+    """What a backup copies (``committed_files``, memlm.backup) includes the retired log."""
+    ds = _store(tmp_path / "a")
+    ds.retire_entries([1, 11])
+    files = dict(ds.committed_files())
+    assert files[tmp_path / "a" / "retired"] == 2 * 16
+    copy = tmp_path / "b"
+    copy.mkdir()
+    for f, length in files.items():
+        (copy / f.name).write_bytes(f.read_bytes()[:length])
+    (copy / "manifest.json").write_bytes((tmp_path / "a" / "manifest.json").read_bytes())
+    again = Datastore.open(copy)
+    assert np.flatnonzero(~again.live_mask(np.arange(20))).tolist() == [1, 11]
+    assert again.num_live == 18
