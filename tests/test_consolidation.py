@@ -211,3 +211,12 @@ def test_the_budget_is_kept_after_a_build(memory: MemoryBackend, criterion: str)
     if criterion == "usage":  # never-used first: the 8 near-copies and 2 scattered ones
         assert not gone & set(used.tolist())
     assert consolidate(memory, cfg, PARAMS, usage).retired == {"test": 0, "budget": 0}
+
+
+def test_an_age_budget_retires_the_oldest_wherever_the_cursor_is(memory: MemoryBackend) -> None:
+    _fill(memory)
+    live = sorted(_live(memory))
+    cfg = ConsolidationConfig(sample=5, delta=10.0, budget=12, criterion="age")
+    rep = consolidate(memory, cfg, PARAMS, Usage())  # the window moves the cursor to 5
+    assert rep.cursor == (0, live[5]) and rep.retired == {"test": 0, "budget": 4}
+    assert sorted(_live(memory)) == live[4:]

@@ -5,8 +5,9 @@ budget by retiring what costs least.
 Bounded work: each night reads ``sample`` live entries from a cursor persisted under the
 memory's root (``consolidation.json``, temp + ``os.replace``) and moves it on, wrapping
 at the end, so the whole memory is re-tested once every ``live / sample`` nights and a
-night's cost does not grow with the memory. The budget step reads at most twice the
-excess beyond the budget (itself about one day of ingest).
+night's cost does not grow with the memory. The budget step reads the excess beyond the
+budget (itself about one day of ingest) from the memory's first ids under ``age``, and
+twice the excess from the cursor on, scored like the window, under the other criteria.
 
 Retiring is ``MemoryBackend.retire`` (faiss: the datastore's retired log, filtered from
 every search at once and removed by the build's compaction, like a forgotten document;
@@ -152,14 +153,37 @@ def _rank(
     cfg: ConsolidationConfig, ids: np.ndarray, lp: np.ndarray, usage: Usage
 ) -> npt.NDArray[np.intp]:
     """Order in which the budget retires the pool: what costs least first."""
-    if cfg.criterion == "age":
-        return np.argsort(ids, kind="stable")
     if cfg.criterion == "random":
         return np.random.default_rng([cfg.seed, len(ids)]).permutation(len(ids))
     if cfg.criterion == "redundancy":
         return np.lexsort((ids, -lp))
     hits, _ = usage.of(ids)
     return np.lexsort((ids, -lp, hits))  # fewest hits, then most redundant, then oldest
+
+
+def _pool(
+    memory: MemoryBackend,
+    root: Path,
+    ids: npt.NDArray[np.int64],
+    lp: np.ndarray,
+    want: int,
+    live: int,
+    params: KnnParams,
+    lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None,
+) -> tuple[npt.NDArray[np.int64], np.ndarray]:
+    """The budget's candidates: the night's re-tested survivors, then entries read (and
+    scored) from the cursor on until ``want`` of them, or the whole memory once."""
+    pos, seen = read_cursor(root), 0
+    while len(ids) < want and seen < live:
+        sc = memory.scan(pos, want - len(ids))
+        if not len(sc.ids) and pos == 0:
+            break  # nothing live at all
+        seen += len(sc.ids)
+        new = ~np.isin(sc.ids, ids)
+        more = score_today(memory, sc.ids[new], sc.keys[new], sc.values[new], params, lm_logprob)
+        ids, lp = np.concatenate([ids, sc.ids[new]]), np.concatenate([lp, more])
+        pos = sc.next_cursor
+    return ids, lp
 
 
 def consolidate(
@@ -205,20 +229,13 @@ def consolidate(
     live = memory.count()
     if cfg.budget is not None and live > cfg.budget:
         excess = live - cfg.budget
-        pos = read_cursor(root)
-        seen = 0
-        while len(pool_ids) < 2 * excess and seen < live:  # at most the whole memory once
-            sc = memory.scan(pos, 2 * excess - len(pool_ids))
-            seen += len(sc.ids)
-            new = ~np.isin(sc.ids, pool_ids)
-            lp = score_today(memory, sc.ids[new], sc.keys[new], sc.values[new], params, lm_logprob)
-            pool_ids = np.concatenate([pool_ids, sc.ids[new]])
-            pool_lp = np.concatenate([pool_lp, lp])
-            pos = sc.next_cursor
-            if not len(sc.ids) and pos == 0 and seen == 0:
-                break
-        order = _rank(cfg, pool_ids, pool_lp, usage)
-        chosen = pool_ids[order[:excess]]
+        if cfg.criterion == "age":  # the oldest live entries: the first ids, nothing to score
+            chosen = memory.scan(0, excess).ids
+        else:
+            pool_ids, pool_lp = _pool(
+                memory, root, pool_ids, pool_lp, 2 * excess, live, params, lm_logprob
+            )
+            chosen = pool_ids[_rank(cfg, pool_ids, pool_lp, usage)[:excess]]
         rep.retired["budget"] = memory.retire(chosen)
         rep.retired_usage["budget"] = [int(x.sum()) for x in usage.of(chosen)]
         _crash(crash_at, "consolidate_after_budget")
