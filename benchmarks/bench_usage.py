@@ -41,7 +41,9 @@ def main() -> None:
             u.add(ids, vals, gold)
         ms = (time.perf_counter() - t0) * 1000 / a.docs
         t = u.totals()
-        print(f"| {block} | {ms:.2f} | {t['bytes']:,} | {t['bytes'] / a.entries:.2f} | {t['blocks']:,} |")
+        print(
+            f"| {block} | {ms:.2f} | {t['bytes']:,} | {t['bytes'] / a.entries:.2f} | {t['blocks']:,} |"
+        )
 
 
 if __name__ == "__main__":
