@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)
     knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Candidates each search re-ranks exactly (IVF-PQ); None: the index's default,
+    # max(4 k, 1024) (docs/memory.md, "Each caller pays for its own depth").
+    rerank_depth: int | None = Field(default=None, ge=1)
     # Retrieval gate: skip the search when the calibrator's lambda is below this (0: off).
     gate_theta: float = Field(default=0.0, ge=0.0, le=1.0)
     # tau of TRIME local / long-term memory for requests that ask for it and name none

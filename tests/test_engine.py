@@ -331,3 +331,24 @@ def test_monim_decides_with_the_served_interpolation(tmp_path, encoder):
     st = eng.stats()["interpolation"]
     assert (st["k"], st["temperature"], st["lambda"]) == (8, 1.0, 0.0)
     assert (st["source"], st["lambda_source"], st["chosen_for"]) == ("fixed", "constant", 1)
+
+
+def test_the_engines_rerank_depth_reaches_every_memory_search(tmp_path, encoder, monkeypatch):
+    eng = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        rerank_depth=96,
+    )  # fmt: skip
+    depths = []
+    search = eng.memory.search
+
+    def spy(queries, k, *, depth=None):
+        depths.append(depth)
+        return search(queries, k, depth=depth)
+
+    monkeypatch.setattr(eng.memory, "search", spy)
+    eng.process_document(1, TEXT, 19000, policy="monim")
+    eng.score(TEXT, policy="monim")
+    eng.predict("The harbour authority in Port", top_n=3)
+    assert len(depths) >= 3 and set(depths) == {96}
+    with pytest.raises(ValueError, match="rerank_depth"):
+        Engine.open(tmp_path / "other", encoder=encoder, rerank_depth=0)

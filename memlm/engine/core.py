@@ -47,6 +47,7 @@ class EngineCore:
         tune_min_tokens: int = MIN_TUNE_TOKENS,
         memory_url: str | None = None,
         evidence: bool = False,
+        rerank_depth: int | None = None,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
@@ -55,8 +56,13 @@ class EngineCore:
         (memlm.calibrator.evidence; the service turns it on unless the settings fix
         lambda), not the constant ``knn``'s lambda; never with a grid that fixes lambda.
         ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
-        ``data_dir``; ``milvus://host:port/collection``: a Milvus collection)."""
+        ``data_dir``; ``milvus://host:port/collection``: a Milvus collection).
+        ``rerank_depth``: candidates every search of this engine re-ranks exactly (None:
+        the memory's default, 1,024 at the served k <= 64; ``MEMLM_RERANK_DEPTH``)."""
         self.data_dir = Path(data_dir)
+        if rerank_depth is not None and rerank_depth < 1:
+            raise ValueError(f"rerank_depth must be >= 1, got {rerank_depth}")
+        self.rerank_depth = rerank_depth
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
         self.encoder = encoder
@@ -132,7 +138,7 @@ class EngineCore:
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours
         width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
-        dist, ids, vals = self.memory.search(out.keys, width)
+        dist, ids, vals = self.memory.search(out.keys, width, depth=self.rerank_depth)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
         lam = served.lambdas(
             out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions

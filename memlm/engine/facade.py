@@ -63,6 +63,7 @@ class Engine(
         device: str = "cpu",
         memory_url: str | None = None,
         evidence: bool = False,
+        rerank_depth: int | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -91,6 +92,7 @@ class Engine(
             tune_min_tokens=tune_min_tokens,
             memory_url=memory_url,
             evidence=evidence,
+            rerank_depth=rerank_depth,
         )
 
 

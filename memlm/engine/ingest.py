@@ -123,7 +123,7 @@ class IngestMixin(EngineCore):
         if search is not None and search[0].shape[1] >= width:
             dist, vals = search[0][rows, :width], search[1][rows, :width]
         else:
-            dist, _, vals = self.memory.search(out.keys[rows], width)
+            dist, _, vals = self.memory.search(out.keys[rows], width, depth=self.rerank_depth)
         n = len(rows)
         queries = out.keys[rows].astype(np.float32)
         seen_d, seen_v = seen_view(

@@ -69,6 +69,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         device=settings.device,
         encoder=encoder,
         gate_theta=settings.gate_theta,
+        rerank_depth=settings.rerank_depth,
         heldout=HeldOutConfig(
             enabled=settings.calibrator_training,  # a read-only engine never records
             share=settings.calibrator_sample,

@@ -85,6 +85,8 @@ def run_policy(
     ingest_evidence: bool = False,
     k_max: int,
     index_kind: str = "auto",
+    rerank_depth: int | None = None,
+    ingest_rerank_depth: int | None = None,
     on_day: Callable[[DayStats], None] | None = None,
     trime: TrimeSpec | None = None,
     served_grid: TuneGrid = SERVED_GRID,
@@ -109,6 +111,8 @@ def run_policy(
     document of the plan is searched again against the memory of that evening (the
     learning and forgetting table).  ``crash_at``: raise after that day's checkpoint.
     ``ood``: out-of-domain documents searched against the memory after the last day.
+    ``rerank_depth`` / ``ingest_rerank_depth``: the re-rank depth of the held-out (and
+    out-of-domain, month-end) searches / of the policy's searches (None: the index's).
     """
     name = policy.name if policy is not None else "bare"
     state = checkpoint.load(workdir) if resume else None
@@ -161,7 +165,7 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, _, vals = index.search_values(o.keys, knn.k)
+                dist, _, vals = index.search_values(o.keys, knn.k, depth=ingest_rerank_depth)
                 lam = None
                 if evidence is not None:
                     qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
@@ -198,7 +202,7 @@ def run_policy(
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
             target = day_dev if split == "dev" else day_test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
-                dist, _, vals = index.search_values(o.keys, k_max)
+                dist, _, vals = index.search_values(o.keys, k_max, depth=rerank_depth)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         extend(dev, day_dev)
@@ -207,7 +211,7 @@ def run_policy(
             plan.day
         )
         if rescore is not None and policy is not None and last_of_month:
-            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz")
+            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz", rerank_depth)
         if ingest_params is None and policy is not None and policy.needs_augmented:
             choice = choose_constant(
                 dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
@@ -240,7 +244,7 @@ def run_policy(
         state.datastore_len, state.index_version = len(ds), index.version
         state.finished = day_index + 1 == len(plans)
         if state.finished and ood:
-            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir)
+            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir, rerank_depth)
         checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
         lexical.save(workdir / "lexical.npz")
         checkpoint.save(workdir, state)
@@ -268,12 +272,13 @@ def _search_ood(
     last_day: int,
     k_max: int,
     workdir: Path,
+    rerank_depth: int | None = None,
 ) -> None:
     """Search each out-of-domain corpus against the final memory (one day after the stream)."""
     for i, (name, docs) in enumerate(ood.items()):
         part = EvalTokens()
         for j, o in enumerate(cache.get_many([d.text for d in docs])):
-            dist, _, vals = index.search_values(o.keys, k_max)
+            dist, _, vals = index.search_values(o.keys, k_max, depth=rerank_depth)
             part.add(o, dist, vals, last_day + 1 + i, j, lexical.features(o.prev_tokens))
         checkpoint.save_arrays(workdir / "eval" / f"ood-{name}.npz", part.arrays(k_max))
 

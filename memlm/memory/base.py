@@ -192,8 +192,12 @@ class MemoryBackend(Protocol):
 
     # --- reading ------------------------------------------------------------------------
 
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
-        """The k nearest live entries of each query (one batched call for all rows)."""
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        """The k nearest live entries of each query (one batched call for all rows).
+
+        ``depth``: approximate candidates this call re-ranks exactly (never fewer than k);
+        None: the memory's own default. Each caller pays for its own: MoNIM's decision
+        and the served interpolation need k <= 64, the evaluation's tuning 1,024."""
         ...
 
     def provenance(self, ids: npt.ArrayLike) -> Provenance:

@@ -201,8 +201,8 @@ class FaissMemory(MemoryBackend):
 
     # --- reading -----------------------------------------------------------------------
 
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
-        return Neighbours(*self.index.search_values(queries, k))
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        return Neighbours(*self.index.search_values(queries, k, depth=depth))
 
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         docs, pos, days = self.datastore.provenance(np.asarray(ids, np.int64))

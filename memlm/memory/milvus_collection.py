@@ -291,19 +291,25 @@ class MilvusCollection:
         return 0
 
     @mapped
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        """``depth`` (this call's re-rank depth): re-rank that many IVF_PQ candidates from
+        their stored keys even where the URL leaves re-ranking off; None: the URL's choice,
+        ``rerank_factor * k`` candidates when ``rerank=1``."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"queries: expected shape (nq, {self.dim}), got {q.shape}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         nq = len(q)
         out = empty_neighbours(nq, k)
         if nq == 0:
             return out
         p = self.params
-        rerank = self.url.rerank and p.kind == "ivfpq"
-        fetch = min(MAX_TOPK, k * p.rerank_factor if rerank else k)
+        rerank = (self.url.rerank or depth is not None) and p.kind == "ivfpq"
+        wanted = (k * p.rerank_factor if depth is None else max(k, depth)) if rerank else k
+        fetch = min(MAX_TOPK, wanted)
         param = {"metric_type": "L2", "params": {"nprobe": p.nprobe} if p.kind == "ivfpq" else {}}
         fields = ["value", "key"] if rerank else ["value"]
         for a in range(0, nq, SEARCH_BATCH):
