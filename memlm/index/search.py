@@ -314,6 +314,40 @@ class MemoryIndex:
         vals[ok] = self.datastore.values(ids[ok])
         return dist, ids, vals
 
+    def successors(
+        self, queries: npt.ArrayLike, ids: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """The entries that follow ``ids`` in their documents, with exact distances to the
+        row's query: (distances, ids, values), each (nq, m), ascending, padded (inf, -1, -1).
+
+        Entry ``i + 1`` follows ``i`` when it is the same document's entry of the next
+        position (a document's entries are appended in one run, so its ids are
+        consecutive; a policy that skipped the next token leaves ``i`` without one) and
+        it is searchable now: live, and appended before the last ``refresh``. Distances are squared L2 from
+        the float16 keys, as the re-rank computes them. ``ids`` (nq, m): -1 pads.
+        """
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        prev = np.asarray(ids, dtype=np.int64)
+        if q.ndim != 2 or q.shape[1] != self.datastore.dim or prev.shape[:1] != q.shape[:1]:
+            raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
+        nxt = np.where(prev >= 0, prev + 1, -1)
+        st = self._state
+        ok = (prev >= 0) & (nxt < min(st.fresh_upto, len(self.datastore)))
+        ok[ok] = ~self._dead(nxt[ok])
+        ok[ok] = ~self._dead(prev[ok])
+        if ok.any():
+            d0, p0, _ = self.datastore.provenance(prev[ok])
+            d1, p1, _ = self.datastore.provenance(nxt[ok])
+            ok[ok] = (d0 == d1) & (p1 == p0 + 1)
+        nxt = np.where(ok, nxt, -1)
+        dist = self._exact_distances(q, nxt)
+        order = np.argsort(dist, axis=1, kind="stable")
+        dist, nxt = np.take_along_axis(dist, order, 1), np.take_along_axis(nxt, order, 1)
+        vals = np.full(nxt.shape, -1, np.int32)
+        found = nxt >= 0
+        vals[found] = self.datastore.values(nxt[found])
+        return dist, nxt, vals
+
     def _search_once(
         self,
         st: _State,

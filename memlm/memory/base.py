@@ -200,6 +200,13 @@ class MemoryBackend(Protocol):
         and the served interpolation need k <= 64, the evaluation's tuning 1,024."""
         ...
 
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        """The entries that follow ``ids`` (nq, m; -1 pads) in their documents (the same
+        document's entry of the next position, where it stored one), with exact squared L2 distances to each row's
+        query, ascending, padded (inf, -1, -1): RetoMaton's pointers
+        (memlm.memory.pointers)."""
+        ...
+
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         """Document, position and day of each (valid) entry id."""
         ...

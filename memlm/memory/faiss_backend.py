@@ -204,6 +204,9 @@ class FaissMemory(MemoryBackend):
     def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
         return Neighbours(*self.index.search_values(queries, k, depth=depth))
 
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        return Neighbours(*self.index.successors(queries, ids))
+
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         docs, pos, days = self.datastore.provenance(np.asarray(ids, np.int64))
         return Provenance(

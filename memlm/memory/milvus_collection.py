@@ -39,6 +39,7 @@ from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory.base import Neighbours, Provenance, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
+    MAX_POSITION,
     Collection,
     MilvusException,
     MilvusMemoryError,
@@ -339,6 +340,40 @@ class MilvusCollection:
                 out.distances[a + r, :w] = dist[:w]
                 out.ids[a + r, :w] = ids[:w]
                 out.values[a + r, :w] = vals[:w]
+        return out
+
+    @mapped
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        """Entry ``doc_id * 2**24 + position + 1`` where the document stored it: one query
+        for all rows, exact distances from the stored float32 keys."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        prev = np.asarray(ids, np.int64)
+        if q.ndim != 2 or q.shape[1] != self.dim or prev.shape[:1] != q.shape[:1]:
+            raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
+        out = empty_neighbours(*prev.shape)
+        last = MAX_POSITION - 1  # id + 1 of a document's last position is another document
+        want = np.unique(prev[(prev >= 0) & ((prev & last) < last)] + 1)
+        if not len(want):
+            return out
+        rows = self.collection.query(
+            f"id in {want.tolist()}",
+            output_fields=["value", "key"],
+            consistency_level=self.url.consistency,
+            timeout=self.timeout,
+        )
+        found = {int(r["id"]): r for r in rows}
+        for r in range(prev.shape[0]):
+            hits = [found[int(i) + 1] for i in prev[r] if i >= 0 and int(i) + 1 in found]
+            if not hits:
+                continue
+            keys = np.array([h["key"] for h in hits], np.float32)
+            diff = keys - q[r]
+            dist = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
+            order = np.argsort(dist, kind="stable")
+            m = len(order)
+            out.distances[r, :m] = dist[order]
+            out.ids[r, :m] = [int(hits[j]["id"]) for j in order]
+            out.values[r, :m] = [int(hits[j]["value"]) for j in order]
         return out
 
     @mapped
