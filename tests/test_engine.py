@@ -6,6 +6,7 @@ from memlm.datastore import SimulatedCrash
 from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine, EngineInputError
 from memlm.knnlm import KnnParams, MemoryOptions
+from memlm.memory.pointers import PointerConfig
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 3
 
@@ -352,3 +353,25 @@ def test_the_engines_rerank_depth_reaches_every_memory_search(tmp_path, encoder,
     assert len(depths) >= 3 and set(depths) == {96}
     with pytest.raises(ValueError, match="rerank_depth"):
         Engine.open(tmp_path / "other", encoder=encoder, rerank_depth=0)
+
+
+def test_engine_pointers_follow_the_text_the_memory_holds(tmp_path, encoder):
+    eng = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        pointers=PointerConfig(min_hits=2, slack=2.0),
+    )  # fmt: skip
+    full = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        readonly=True,
+    )  # fmt: skip
+    for doc in range(3):
+        eng.process_document(doc, TEXT, 19000, policy="fullmem")
+    full.sync()
+    assert eng._follow == {}  # FullMem stores without searching
+    s = eng.score(TEXT, policy="fullmem")
+    ps = eng._follow[8]
+    n = len(s.tokens)
+    assert ps.stats.tokens == n
+    assert ps.stats.followed > n // 2  # the memory holds this text three times
+    assert ps.stats.searched == n - ps.stats.followed
+    assert s.ppl == pytest.approx(full.score(TEXT, policy="fullmem").ppl, rel=0.05)

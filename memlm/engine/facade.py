@@ -20,6 +20,7 @@ from memlm.engine.tokens import TokensMixin
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 from memlm.memory import stored_key_precision
+from memlm.memory.pointers import PointerConfig
 
 if TYPE_CHECKING:
     from memlm.engine.protocol import EngineLike
@@ -64,6 +65,7 @@ class Engine(
         memory_url: str | None = None,
         evidence: bool = False,
         rerank_depth: int | None = None,
+        pointers: PointerConfig | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -93,6 +95,7 @@ class Engine(
             memory_url=memory_url,
             evidence=evidence,
             rerank_depth=rerank_depth,
+            pointers=pointers,
         )
 
 

@@ -12,6 +12,7 @@ from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
 from memlm.evaluate.run import TrimeSpec
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
+from memlm.memory.pointers import PointerConfig
 
 
 @dataclass
@@ -45,6 +46,9 @@ class EvalConfig:
     # MoNIM's decision at k <= 64 (recall and ppl of each cut: docs/memory.md)
     rerank_depth: int | None = None  # held-out, out-of-domain and month-end searches
     ingest_rerank_depth: int | None = None  # the policy's decision while ingesting
+    # RetoMaton's pointers for the policy's and the held-out searches (--pointers); None:
+    # every token searched (the default: docs/memory.md, "Reuse what the last token found")
+    pointers: PointerConfig | None = None
     grid: TuneGrid = field(default_factory=TuneGrid)
     threads: int | None = None
     keep_stores: bool = False

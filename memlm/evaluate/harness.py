@@ -276,6 +276,7 @@ def _evaluate(
             index_kind=cfg.index_kind,
             rerank_depth=cfg.rerank_depth,
             ingest_rerank_depth=cfg.ingest_rerank_depth,
+            pointers=cfg.pointers,
             trime=cfg.trime,
             served_grid=fixed_grid(SERVED_GRID, cfg),
             served_default=KnnParams(

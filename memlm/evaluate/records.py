@@ -95,6 +95,9 @@ class DayStats:
     search_seconds: float = 0.0
     # waiting for another process's encode (--follow-encode); not in the phases above
     wait_seconds: float = 0.0
+    # --pointers: queries the day's ingest and held-out tokens sent to the index, of how
+    # many tokens (RetoMaton's pointers answered the rest; None: every token searched)
+    searched: dict[str, int] | None = None
 
 
 @dataclass

@@ -133,6 +133,7 @@ def build_report(
             "index_kind": cfg.index_kind,
             # None: the index's default, max(4 k, 1024) candidates re-ranked
             "rerank_depth": {"heldout": cfg.rerank_depth, "ingest": cfg.ingest_rerank_depth},
+            "pointers": None if cfg.pointers is None else asdict(cfg.pointers),
             "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to "
             "test; values fixed by --k/--temperature/--lambda-value are not tuned",
             "lambda_mode": cfg.lambda_mode,

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.index import IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, token_scores
+from memlm.memory.pointers import PointerConfig, PointerSearch
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ def run_policy(
     index_kind: str = "auto",
     rerank_depth: int | None = None,
     ingest_rerank_depth: int | None = None,
+    pointers: PointerConfig | None = None,
     on_day: Callable[[DayStats], None] | None = None,
     trime: TrimeSpec | None = None,
     served_grid: TuneGrid = SERVED_GRID,
@@ -113,6 +116,9 @@ def run_policy(
     ``ood``: out-of-domain documents searched against the memory after the last day.
     ``rerank_depth`` / ``ingest_rerank_depth``: the re-rank depth of the held-out (and
     out-of-domain, month-end) searches / of the policy's searches (None: the index's).
+    ``pointers``: the policy's and the held-out tokens' searches follow RetoMaton's
+    pointers (memlm.memory.pointers) and search only where they fail; the threshold is
+    learned within this call (a resumed run learns it again).
     """
     name = policy.name if policy is not None else "bare"
     state = checkpoint.load(workdir) if resume else None
@@ -139,6 +145,22 @@ def run_policy(
         )
     ds, index = _resume(workdir, cache, state)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
+    follow: dict[tuple[str, int], PointerSearch] = {}
+    day_counts = (0, 0)  # (searched, tokens) of the pointers up to the last day
+
+    def searched(kind: str, o: TokenOutputs, k: int, depth: int | None) -> tuple[Any, Any]:
+        """(distances, values) of one document's tokens: the full search, or the pointers."""
+        if pointers is None:
+            dist, _, vals = index.search_values(o.keys, k, depth=depth)
+            return dist, vals
+        ps = follow.get((kind, k))
+        if ps is None:
+            ps = follow[(kind, k)] = PointerSearch(
+                lambda q, kk: index.search_values(q, kk, depth=depth), index.successors, k, pointers
+            )
+        dist, _, vals, _ = ps.document(o.keys, o.targets)
+        return dist, vals
+
     for day_index in range(len(state.days), len(plans)):
         plan = plans[day_index]
         t0, w0 = time.perf_counter(), cache.wait_seconds
@@ -165,7 +187,7 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, _, vals = index.search_values(o.keys, knn.k, depth=ingest_rerank_depth)
+                dist, vals = searched("ingest", o, knn.k, ingest_rerank_depth)
                 lam = None
                 if evidence is not None:
                     qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
@@ -202,7 +224,7 @@ def run_policy(
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
             target = day_dev if split == "dev" else day_test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
-                dist, _, vals = index.search_values(o.keys, k_max, depth=rerank_depth)
+                dist, vals = searched("heldout", o, k_max, rerank_depth)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         extend(dev, day_dev)
@@ -223,6 +245,7 @@ def run_policy(
                 )
                 state.served["params"] = replace(choice.params, temperature=temperature)
                 state.served["evidence"] = model.to_json()
+        counted = {kind: (ps.stats.searched, ps.stats.tokens) for (kind, _), ps in follow.items()}
         state.seen += day_seen
         state.stored += day_stored
         stats = DayStats(
@@ -239,7 +262,14 @@ def run_policy(
             ),
             wait_seconds=round(cache.wait_seconds - w0, 3),
             stored_lm_alone=day_alone if policy is not None and policy.needs_augmented else None,
+            searched=None
+            if pointers is None
+            else {
+                "searched": sum(s for s, _ in counted.values()) - day_counts[0],
+                "tokens": sum(t for _, t in counted.values()) - day_counts[1],
+            },
         )
+        day_counts = (sum(s for s, _ in counted.values()), sum(t for _, t in counted.values()))
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version
         state.finished = day_index + 1 == len(plans)
