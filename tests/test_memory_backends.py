@@ -126,3 +126,19 @@ def test_faiss_search_depth_reaches_the_index(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ids_all, truth)
     assert not np.array_equal(ids_default, truth)
     mem.close()
+
+
+def test_successors_are_the_next_position_of_the_same_document(memory: MemoryBackend) -> None:
+    _, k1 = _put(memory, 1, 30, seed=1)  # positions 1..30
+    _, k2 = _put(memory, 2, 30, seed=2)
+    _, ids, _ = memory.search(k1[[4, 29]], 1)  # positions 5 and 30 (document 1's last)
+    _, own, _ = memory.search(k1[[5]], 1)  # position 6
+    d, nxt, vals = memory.successors(k1[[5, 5]], np.array([[ids[0, 0], -1], [ids[1, 0], -1]]))
+    assert nxt[0, 0] == own[0, 0] and (nxt[0, 1], nxt[1, 0], nxt[1, 1]) == (-1, -1, -1)
+    assert vals[0, 0] == 5 % 7  # _put's values: position - 1, mod 7
+    assert d[0, 0] == pytest.approx(0.0, abs=1e-3) and np.isinf(d[1]).all()
+    prov = memory.provenance(nxt[:1, 0])
+    assert (prov.documents[0], prov.positions[0]) == (1, 6)
+    memory.delete_document(1)  # forgotten: never followed again
+    _, nxt, _ = memory.successors(k1[[5]], ids[:1])
+    assert (nxt == -1).all()
