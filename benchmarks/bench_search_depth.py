@@ -249,7 +249,7 @@ def main() -> None:
             got, stats = results[cfg]
             rate = n_tok / secs[cfg]
             rec = recall([g[1] for g in got], [f[1] for f in full])
-            p = ppl(token_logprobs(split_of(test, got[len(dev) : len(held)]), ref))
+            p_ptr = ppl(token_logprobs(split_of(test, got[len(dev) : len(held)]), ref))
             changed = ""
             if k <= 64 and "served" in base.get(k, {}):
                 now = decisions(enc, ingest, got[len(held) :], base[k]["served"])
@@ -262,7 +262,7 @@ def main() -> None:
                     f"{rate:,.0f}",
                     f"{stats.saved:.1%}",
                     f"{rec:.3f}",
-                    f"{p:.3f} ({p / ref_ppl - 1:+.2%})",
+                    f"{p_ptr:.3f} ({p_ptr / ref_ppl - 1:+.2%})",
                     changed,
                 )
             )
