@@ -375,3 +375,28 @@ def test_engine_pointers_follow_the_text_the_memory_holds(tmp_path, encoder):
     assert ps.stats.followed > n // 2  # the memory holds this text three times
     assert ps.stats.searched == n - ps.stats.followed
     assert s.ppl == pytest.approx(full.score(TEXT, policy="fullmem").ppl, rel=0.05)
+
+
+def test_encode_ahead_gives_what_encoding_in_place_gives(engine, monkeypatch):
+    import threading
+
+    other = "A storm closed the ferry line to the islands for two days last week. " * 2
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    in_place = engine.prepare_document(2, other, 19000, policy="monim")
+    threads = []
+    encode = engine._encode
+
+    def spy(text, key_ce=False):
+        threads.append(threading.current_thread().name)
+        return encode(text, key_ce)
+
+    monkeypatch.setattr(engine, "_encode", spy)
+    engine.encode_ahead(other, policy="monim")
+    ahead = engine.prepare_document(2, other, 19000, policy="monim")
+    assert len(threads) == 1 and threads[0].startswith("encode-ahead")
+    np.testing.assert_array_equal(ahead.store, in_place.store)
+    np.testing.assert_array_equal(ahead.outputs.keys, in_place.outputs.keys)
+    engine.encode_ahead(TEXT, policy="monim")  # not taken: the next document is another
+    engine._ahead[1].result()
+    engine.prepare_document(3, other, 19000, policy="monim")
+    assert [t.startswith("encode-ahead") for t in threads[1:]] == [True, False]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,10 @@ class EngineCore:
         self.rerank_depth = rerank_depth
         self.pointers = pointers
         self._follow: dict[int, PointerSearch] = {}  # by k: each learns its own threshold
+        # encode_ahead's one slot: ((text, key_ce), the encode running on its own thread)
+        self._ahead: tuple[tuple[str, bool], Future[tuple[list[int], TokenOutputs]]] | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead_lock = threading.Lock()
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
         self.encoder = encoder
@@ -224,7 +229,10 @@ class EngineCore:
         return self.memory.refresh() if self.readonly or self.shared else 0
 
     def close(self) -> None:
-        """Let go of the memory (its files, or its server connection)."""
+        """Let go of the memory (its files, or its server connection) and of the thread
+        that encodes ahead."""
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True, cancel_futures=True)
         self.memory.close()
 
     def _check_writer(self) -> None:
