@@ -76,7 +76,10 @@ def main() -> None:
     knn = KnnParams(k=64, temperature=2.0, lmbda=0.05)
     ids = [enc.tokenize(d.text) for d in ingest]
     n_tok = sum(len(i) - 1 for i in ids)
-    print(f"memory: {n} entries of {len(memory_docs)} documents; ingest {len(ingest)} documents")
+    print(
+        f"memory: {n} entries of {len(memory_docs)} documents; "
+        f"ingest {len(ingest)} documents, {n_tok} tokens"
+    )
 
     def encoder_alone() -> None:
         for i in ids:
