@@ -148,7 +148,7 @@ def run_policy(
     follow: dict[tuple[str, int], PointerSearch] = {}
     day_counts = (0, 0)  # (searched, tokens) of the pointers up to the last day
 
-    def searched(kind: str, o: TokenOutputs, k: int, depth: int | None) -> tuple[Any, Any]:
+    def neighbours_of(kind: str, o: TokenOutputs, k: int, depth: int | None) -> tuple[Any, Any]:
         """(distances, values) of one document's tokens: the full search, or the pointers."""
         if pointers is None:
             dist, _, vals = index.search_values(o.keys, k, depth=depth)
@@ -187,7 +187,7 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, vals = searched("ingest", o, knn.k, ingest_rerank_depth)
+                dist, vals = neighbours_of("ingest", o, knn.k, ingest_rerank_depth)
                 lam = None
                 if evidence is not None:
                     qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
@@ -224,7 +224,7 @@ def run_policy(
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
             target = day_dev if split == "dev" else day_test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
-                dist, vals = searched("heldout", o, k_max, rerank_depth)
+                dist, vals = neighbours_of("heldout", o, k_max, rerank_depth)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         extend(dev, day_dev)
@@ -245,7 +245,10 @@ def run_policy(
                 )
                 state.served["params"] = replace(choice.params, temperature=temperature)
                 state.served["evidence"] = model.to_json()
-        counted = {kind: (ps.stats.searched, ps.stats.tokens) for (kind, _), ps in follow.items()}
+        counted = (
+            sum(ps.stats.searched for ps in follow.values()),
+            sum(ps.stats.tokens for ps in follow.values()),
+        )
         state.seen += day_seen
         state.stored += day_stored
         stats = DayStats(
@@ -264,12 +267,9 @@ def run_policy(
             stored_lm_alone=day_alone if policy is not None and policy.needs_augmented else None,
             searched=None
             if pointers is None
-            else {
-                "searched": sum(s for s, _ in counted.values()) - day_counts[0],
-                "tokens": sum(t for _, t in counted.values()) - day_counts[1],
-            },
+            else {"searched": counted[0] - day_counts[0], "tokens": counted[1] - day_counts[1]},
         )
-        day_counts = (sum(s for s, _ in counted.values()), sum(t for _, t in counted.values()))
+        day_counts = counted
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version
         state.finished = day_index + 1 == len(plans)
