@@ -112,3 +112,35 @@ def test_the_faiss_memory_follows_like_its_index(tmp_path: Path) -> None:
     assert ids.tolist() == [[1, 21], [-1, -1]]
     assert vals.tolist() == [[1, 1], [-1, -1]]
     mem.close()
+
+
+def test_documents_from_two_threads_at_once(tmp_path: Path) -> None:
+    """The engine's /score and its ingest worker share one pointer state."""
+    import threading
+
+    index, keys, gold = _memory(tmp_path)
+    ps = PointerSearch(
+        lambda q, k: index.search_values(q, k), index.successors, COPIES, PointerConfig(2, 2.0)
+    )
+    solo = PointerSearch(
+        lambda q, k: index.search_values(q, k), index.successors, COPIES, PointerConfig(2, 2.0)
+    )
+    solo.document(keys, gold)
+    expected = solo.document(keys, gold)  # with a threshold learned, as in the threads
+    ps.document(keys, gold)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                got = ps.document(keys, gold)
+                np.testing.assert_array_equal(got[1], expected[1])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and ps.stats.tokens == 41 * len(keys)

@@ -21,6 +21,7 @@ the last token found").
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class PointerStats:
 @dataclass
 class PointerSearch:
     """One caller's pointer state: the threshold learned from its full searches and its
-    counters; ``document`` answers a document's tokens in order."""
+    counters; ``document`` answers a document's tokens in order. Documents may be answered
+    from several threads at once (the engine's /score beside its ingest worker)."""
 
     search: SearchFn
     follow: FollowFn
@@ -87,17 +89,21 @@ class PointerSearch:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         self._recent: deque[float] = deque(maxlen=self.cfg.window)
+        self._lock = threading.Lock()  # the threshold's window and the counters
 
     @property
     def threshold(self) -> float | None:
         """The distance ``min_hits`` successors must beat (None: no full search yet)."""
-        if not self._recent:
-            return None
-        return self.cfg.slack * float(np.median(np.fromiter(self._recent, np.float64)))
+        with self._lock:
+            if not self._recent:
+                return None
+            recent = np.fromiter(self._recent, np.float64, len(self._recent))
+        return self.cfg.slack * float(np.median(recent))
 
     def _learn(self, dist: npt.NDArray[np.float32]) -> None:
         col = dist[:, min(self.cfg.min_hits, dist.shape[1]) - 1]
-        self._recent.extend(float(x) for x in col[np.isfinite(col)])
+        with self._lock:
+            self._recent.extend(float(x) for x in col[np.isfinite(col)])
 
     def document(
         self, keys: npt.ArrayLike, targets: npt.ArrayLike
@@ -135,9 +141,11 @@ class PointerSearch:
                 stop = min(n, t + self.cfg.block)
                 d, i, v = self.search(q[t:stop], k)
                 dist[t:stop], ids[t:stop], vals[t:stop] = d, i, v
-                self.stats.searched += stop - t
+                with self._lock:
+                    self.stats.searched += stop - t
                 self._learn(d)
                 ahead = stop
-        self.stats.tokens += n
-        self.stats.followed += int(followed.sum())
+        with self._lock:
+            self.stats.tokens += n
+            self.stats.followed += int(followed.sum())
         return dist, ids, vals, followed
