@@ -352,5 +352,9 @@ def test_run_policy_with_pointers_counts_its_searches_and_keeps_the_stores(tmp_p
     held = sum(len(o) for p in plans for o in cache.get_many([d.text for d in p.dev + p.test]))
     searched_tokens = sum(c["tokens"] for c in counted if c is not None)
     assert searched_tokens == held + sum(d.tokens_seen for d in ptr.days)
+    from memlm.evaluate.checkpoint import load as load_checkpoint
+
+    saved = load_checkpoint(tmp_path / "ptr")
+    assert saved is not None and [d.searched for d in saved.days] == counted  # resumable
     followed = ptr.test["values"][:, 0] >= 0
     assert followed.all() and full.test["values"].shape == ptr.test["values"].shape

@@ -93,6 +93,8 @@ def build_report(
                 rows[-1]["memrate_day_lm_alone"] = (
                     ds_.stored_lm_alone / ds_.tokens_seen if ds_.tokens_seen else 0.0
                 )
+            if ds_.searched is not None:  # --pointers: queries the index got, of how many
+                rows[-1]["searched"] = dict(ds_.searched)
         per_day[name] = rows
     for name, r in results.items():
         if cfg.lambda_mode == "calibrated" and name != "bare":
