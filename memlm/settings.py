@@ -64,6 +64,18 @@ class Settings(BaseSettings):
     knn_k: int | None = Field(default=None, ge=1)
     knn_temperature: float | None = Field(default=None, gt=0)
     knn_lambda: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Candidates each search re-ranks exactly (IVF-PQ); None: the index's default,
+    # max(4 k, 1024) (docs/memory.md, "Each caller pays for its own depth").
+    rerank_depth: int | None = Field(default=None, ge=1)
+    # RetoMaton's pointers for /score and the policy's decision: a token searches only
+    # when fewer than this many successors of the last token's neighbours beat the learned
+    # distance; None: every token searches (docs/memory.md, "Reuse what the last token found")
+    pointers: int | None = Field(default=None, ge=1)
+    # The ingest worker encodes the next pending document on a thread of its own while the
+    # current one is searched, decided and committed (the model and the memory side by
+    # side). Off: on the shared 2-core machine (load ~11) it gained nothing, and no quiet
+    # machine has measured it yet (docs/memory.md, "Overlap the model and the memory")
+    encode_ahead: bool = False
     # Retrieval gate: skip the search when the calibrator's lambda is below this (0: off).
     gate_theta: float = Field(default=0.0, ge=0.0, le=1.0)
     # tau of TRIME local / long-term memory for requests that ask for it and name none

@@ -6,6 +6,7 @@ from memlm.datastore import SimulatedCrash
 from memlm.encoder import Encoder, WindowConfig
 from memlm.engine import Engine, EngineInputError
 from memlm.knnlm import KnnParams, MemoryOptions
+from memlm.memory.pointers import PointerConfig
 
 TEXT = "The harbour authority in Port Elsinore announced a new ferry timetable on Monday. " * 3
 
@@ -331,3 +332,71 @@ def test_monim_decides_with_the_served_interpolation(tmp_path, encoder):
     st = eng.stats()["interpolation"]
     assert (st["k"], st["temperature"], st["lambda"]) == (8, 1.0, 0.0)
     assert (st["source"], st["lambda_source"], st["chosen_for"]) == ("fixed", "constant", 1)
+
+
+def test_the_engines_rerank_depth_reaches_every_memory_search(tmp_path, encoder, monkeypatch):
+    eng = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        rerank_depth=96,
+    )  # fmt: skip
+    depths = []
+    search = eng.memory.search
+
+    def spy(queries, k, *, depth=None):
+        depths.append(depth)
+        return search(queries, k, depth=depth)
+
+    monkeypatch.setattr(eng.memory, "search", spy)
+    eng.process_document(1, TEXT, 19000, policy="monim")
+    eng.score(TEXT, policy="monim")
+    eng.predict("The harbour authority in Port", top_n=3)
+    assert len(depths) >= 3 and set(depths) == {96}
+    with pytest.raises(ValueError, match="rerank_depth"):
+        Engine.open(tmp_path / "other", encoder=encoder, rerank_depth=0)
+
+
+def test_engine_pointers_follow_the_text_the_memory_holds(tmp_path, encoder):
+    eng = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        pointers=PointerConfig(min_hits=2, slack=2.0),
+    )  # fmt: skip
+    full = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        readonly=True,
+    )  # fmt: skip
+    for doc in range(3):
+        eng.process_document(doc, TEXT, 19000, policy="fullmem")
+    full.sync()
+    assert eng._follow == {}  # FullMem stores without searching
+    s = eng.score(TEXT, policy="fullmem")
+    ps = eng._follow[8]
+    n = len(s.tokens)
+    assert ps.stats.tokens == n
+    assert ps.stats.followed > n // 2  # the memory holds this text three times
+    assert ps.stats.searched == n - ps.stats.followed
+    assert s.ppl == pytest.approx(full.score(TEXT, policy="fullmem").ppl, rel=0.05)
+
+
+def test_encode_ahead_gives_what_encoding_in_place_gives(engine, monkeypatch):
+    import threading
+
+    other = "A storm closed the ferry line to the islands for two days last week. " * 2
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    in_place = engine.prepare_document(2, other, 19000, policy="monim")
+    threads = []
+    encode = engine._encode
+
+    def spy(text, key_ce=False):
+        threads.append(threading.current_thread().name)
+        return encode(text, key_ce)
+
+    monkeypatch.setattr(engine, "_encode", spy)
+    engine.encode_ahead(other, policy="monim")
+    ahead = engine.prepare_document(2, other, 19000, policy="monim")
+    assert len(threads) == 1 and threads[0].startswith("encode-ahead")
+    np.testing.assert_array_equal(ahead.store, in_place.store)
+    np.testing.assert_array_equal(ahead.outputs.keys, in_place.outputs.keys)
+    engine.encode_ahead(TEXT, policy="monim")  # not taken: the next document is another
+    engine._ahead[1].result()
+    engine.prepare_document(3, other, 19000, policy="monim")
+    assert [t.startswith("encode-ahead") for t in threads[1:]] == [True, False]

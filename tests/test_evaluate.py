@@ -328,3 +328,33 @@ def test_monim_ingests_with_the_served_interpolation_of_each_day(tmp_path, enc):
     fixed = run_policy(MoNIM(), plans, cache, tmp_path / "w2", ingest_params=default, k_max=8)
     assert [d.ingest["source"] for d in fixed.days] == ["fixed"] * 3
     assert {d.ingest["lambda"] for d in fixed.days} == {0.02}
+
+
+def test_run_policy_with_pointers_counts_its_searches_and_keeps_the_stores(tmp_path, enc):
+    """Pointers change what the held-out tokens and MoNIM see only where they answer: the
+    days count the searches they saved; a memory holding the held-out text repeats it."""
+    from memlm.knnlm.policy import MoNIM
+    from memlm.memory.pointers import PointerConfig
+
+    docs = _stream(days=2, per_day=6)
+    plans = plan_stream(docs, dev_share=0.2, test_share=0.2)
+    for p in plans:  # the memory holds every held-out text: the pointers can follow it
+        p.train = p.train + p.dev + p.test
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path / "cache")
+    args = {"ingest_params": KnnParams(k=8), "k_max": 8}
+    full = run_policy(MoNIM(), plans, cache, tmp_path / "full", **args)
+    ptr = run_policy(
+        MoNIM(), plans, cache, tmp_path / "ptr", pointers=PointerConfig(min_hits=2), **args
+    )
+    assert all(d.searched is None for d in full.days)
+    counted = [d.searched for d in ptr.days]
+    assert all(c is not None and 0 < c["searched"] < c["tokens"] for c in counted)
+    held = sum(len(o) for p in plans for o in cache.get_many([d.text for d in p.dev + p.test]))
+    searched_tokens = sum(c["tokens"] for c in counted if c is not None)
+    assert searched_tokens == held + sum(d.tokens_seen for d in ptr.days)
+    from memlm.evaluate.checkpoint import load as load_checkpoint
+
+    saved = load_checkpoint(tmp_path / "ptr")
+    assert saved is not None and [d.searched for d in saved.days] == counted  # resumable
+    followed = ptr.test["values"][:, 0] >= 0
+    assert followed.all() and full.test["values"].shape == ptr.test["values"].shape

@@ -202,6 +202,32 @@ def small_ivfpq(
     return ds, q
 
 
+def test_rerank_depth_is_per_call(tmp_path: Path) -> None:
+    """``depth`` reaches the built index: re-ranking every entry is exact (brute force),
+    re-ranking k candidates only orders the PQ top k, and the default (64) sits between."""
+    ds, q = small_ivfpq(tmp_path, key_seed=11, query_seed=5, nq=60)
+    mem = MemoryIndex(ds, tmp_path / "ix")
+    k = 10
+    d_true, truth = brute_force(ds, q, k)
+    d_all, i_all = mem.search(q, k, depth=len(ds))  # every code scanned, every key re-ranked
+    np.testing.assert_array_equal(i_all, truth)
+    np.testing.assert_allclose(d_all, d_true, rtol=1e-5)
+    _, i_default = mem.search(q, k)  # rerank_min = 64 candidates
+    _, i_k = mem.search(q, k, depth=1)  # raised to k: the PQ top k, ordered exactly
+    r_default, r_k = recall(i_default, truth), recall(i_k, truth)
+    assert r_k < r_default < 1.0
+    _, i_pq = mem.search(q, k, rerank=False)
+    assert [set(r) for r in i_k] == [set(r) for r in i_pq]  # the same candidates, re-ordered
+    dv, iv, vv = mem.search_values(q, k, depth=len(ds))
+    np.testing.assert_array_equal(iv, truth)
+    with pytest.raises(ValueError, match="depth"):
+        mem.search(q, k, depth=0)
+    assert IndexParams().rerank_depth(1024) == 4096
+    assert IndexParams().rerank_depth(64) == 1024
+    assert IndexParams().rerank_depth(64, 256) == 256
+    assert IndexParams().rerank_depth(64, 8) == 64
+
+
 def test_pq_table_and_broadcast_rerank_change_speed_not_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,3 +101,44 @@ def test_builds_are_recorded_reconciled_and_pruned_after_a_forget(
     assert (stats["backend"], stats["entries"]) == (memory.name, 40)
     assert _docs_found(memory, k2) == {2}
     assert memory.delete_document(1) == 0  # forgetting again: nothing left to delete
+
+
+def test_faiss_search_depth_reaches_the_index(tmp_path: Path) -> None:
+    """``search(..., depth=)`` re-ranks that many candidates of the built IVF-PQ version:
+    every entry re-ranked is the exact answer, and the default (64 candidates) is not."""
+    from memlm.index import IndexParams
+
+    mem = open_memory(None, tmp_path / "data", 32)
+    rng = np.random.default_rng(4)
+    centres = rng.standard_normal((40, 32)) * 3
+    keys = (centres[rng.integers(0, 40, 4000)] + rng.standard_normal((4000, 32))).astype(np.float32)
+    with mem.writer():
+        for doc in range(8):
+            part = keys[doc * 500 : (doc + 1) * 500]
+            mem.put_document(doc, part, np.arange(500) % 7, np.arange(1, 501), DAY)
+    mem.build(IndexParams(kind="ivfpq", nlist=32, m=4, nprobe=4, train_size=4000, rerank_min=64))
+    assert mem.reload()
+    q = (keys[rng.integers(0, 4000, 40)] + rng.standard_normal((40, 32)) * 0.5).astype(np.float32)
+    exact = ((q[:, None, :] - keys.astype(np.float16).astype(np.float64)[None]) ** 2).sum(-1)
+    truth = np.argsort(exact, axis=1, kind="stable")[:, :10]
+    _, ids_all, _ = mem.search(q, 10, depth=4000)
+    _, ids_default, _ = mem.search(q, 10)
+    np.testing.assert_array_equal(ids_all, truth)
+    assert not np.array_equal(ids_default, truth)
+    mem.close()
+
+
+def test_successors_are_the_next_position_of_the_same_document(memory: MemoryBackend) -> None:
+    _, k1 = _put(memory, 1, 30, seed=1)  # positions 1..30
+    _, k2 = _put(memory, 2, 30, seed=2)
+    _, ids, _ = memory.search(k1[[4, 29]], 1)  # positions 5 and 30 (document 1's last)
+    _, own, _ = memory.search(k1[[5]], 1)  # position 6
+    d, nxt, vals = memory.successors(k1[[5, 5]], np.array([[ids[0, 0], -1], [ids[1, 0], -1]]))
+    assert nxt[0, 0] == own[0, 0] and (nxt[0, 1], nxt[1, 0], nxt[1, 1]) == (-1, -1, -1)
+    assert vals[0, 0] == 5 % 7  # _put's values: position - 1, mod 7
+    assert d[0, 0] == pytest.approx(0.0, abs=1e-3) and np.isinf(d[1]).all()
+    prov = memory.provenance(nxt[:1, 0])
+    assert (prov.documents[0], prov.positions[0]) == (1, 6)
+    memory.delete_document(1)  # forgotten: never followed again
+    _, nxt, _ = memory.successors(k1[[5]], ids[:1])
+    assert (nxt == -1).all()

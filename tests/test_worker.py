@@ -801,3 +801,23 @@ def test_a_try_killed_once_then_retried_counts_one_failed_try(any_setup: Setup) 
     out = restarted.step()
     assert isinstance(out, Processed) and (out.document_id, out.status) == (doc_id, "done")
     assert _doc_state(sessions, doc_id) == ("done", 1, None)  # one failed try, as documented
+
+
+def test_the_next_pending_document_is_encoded_ahead(setup: Setup) -> None:
+    settings, sessions, engine, new_worker = setup
+    first, second, third = add(sessions, "a b", "c d", "e f")
+    settings.encode_ahead = True  # off by default
+    w = new_worker()
+    w.start(timeout=1)
+    out = w.step()
+    assert isinstance(out, Processed) and (out.document_id, out.status) == (first, "done")
+    assert engine.ahead == ["c d"]  # peeked, not claimed: still pending
+    with sessions() as s:
+        assert _get(s, second).status == "pending"
+    w.step()
+    w.step()
+    assert engine.ahead == ["c d", "e f"]  # nothing after the last one
+    settings.encode_ahead = False
+    add(sessions, "g h", "i j")
+    w.step()
+    assert engine.ahead == ["c d", "e f"]

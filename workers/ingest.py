@@ -276,9 +276,12 @@ class IngestWorker:
                 return None
             doc_id, text, day = doc.id, doc.text, doc.published_at
             policy_name, policy = self._policy(s)
+            after = DocumentRepository(s).peek_next() if self.settings.encode_ahead else None
         t0 = time.perf_counter()
         try:
             prepared = self.engine.prepare_document(doc_id, text, day_number(day), policy=policy)
+            if after is not None:  # its forward runs beside this one's search and commit
+                self.engine.encode_ahead(after[1], policy=policy)
         except Exception as exc:
             return self._failed(doc_id, exc)
         with self.engine.exclusive():  # other workers wait from here to the commit

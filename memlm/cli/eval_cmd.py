@@ -72,6 +72,22 @@ def eval_command(
     ),
     k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
     index_kind: IndexKind = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
+    rerank_depth: int | None = typer.Option(
+        None,
+        min=1,
+        help="IVF-PQ candidates each held-out search re-ranks exactly (default max(4 k, 1024))",
+    ),
+    ingest_rerank_depth: int | None = typer.Option(
+        None,
+        min=1,
+        help="IVF-PQ candidates each search of the policy's decision re-ranks (default 1024)",
+    ),
+    pointers: int | None = typer.Option(
+        None,
+        min=1,
+        help="follow RetoMaton's pointers: a token searches only when fewer than this many "
+        "successors of the last token's neighbours beat the learned distance (default: off)",
+    ),
     seed: int = typer.Option(0),
     threads: int | None = typer.Option(None, help="torch threads (default MEMLM_THREADS or cores)"),
     keep_stores: bool = typer.Option(False, help="keep each policy's datastore and index"),
@@ -157,6 +173,7 @@ def eval_command(
     from memlm.evaluate.harness import ResumeMismatch
     from memlm.evaluate.ood import OodError
     from memlm.knnlm import KnnParams
+    from memlm.memory.pointers import PointerConfig
 
     logging.basicConfig(level=logging.WARNING)
     chosen = [p.strip() for p in policies.split(",") if p.strip() and p.strip() != "bare"]
@@ -257,6 +274,9 @@ def eval_command(
         split_file=None if split is None else str(split),
         k_max=k_max,
         index_kind=index_kind,
+        rerank_depth=rerank_depth,
+        ingest_rerank_depth=ingest_rerank_depth,
+        pointers=None if pointers is None else PointerConfig(min_hits=pointers),
         threads=threads,
         keep_stores=keep_stores,
         trime=TrimeSpec(long_segments=long_memory) if local_memory or long_memory else None,

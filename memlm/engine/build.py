@@ -181,7 +181,7 @@ class BuildMixin(EngineCore):
             raise EngineInputError("build an index before training the calibrator")
         outs = [self._encode(t)[1] for t in texts]
         o = TokenOutputs.concat(outs)
-        dist, _, vals = self.memory.search(o.keys, max(self.knn.k, TOP_N))
+        dist, _, vals = self.memory.search(o.keys, max(self.knn.k, TOP_N), depth=self.rerank_depth)
         split: dict[str, np.ndarray] = {
             "target_lm_logprob": o.target_logprob.astype(np.float64),
             "distances": dist,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,9 @@ from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy
-from memlm.memory import Committed, MemoryBackend, Recovered, open_memory
+from memlm.memory import Committed, MemoryBackend, Neighbours, Recovered, open_memory
 from memlm.memory.consolidation import ConsolidationConfig
+from memlm.memory.pointers import PointerConfig, PointerSearch
 from memlm.memory.usage import Usage
 
 ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
@@ -50,6 +52,8 @@ class EngineCore:
         memory_url: str | None = None,
         evidence: bool = False,
         consolidation: ConsolidationConfig | None = None,
+        rerank_depth: int | None = None,
+        pointers: PointerConfig | None = None,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
@@ -60,8 +64,22 @@ class EngineCore:
         ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
         ``data_dir``; ``milvus://host:port/collection``: a Milvus collection).
         ``consolidation``: what each build re-tests and the memory budget it keeps
-        (memlm.memory.consolidation; default: off)."""
+        (memlm.memory.consolidation; default: off).
+        ``rerank_depth``: candidates every search of this engine re-ranks exactly (None:
+        the memory's default, 1,024 at the served k <= 64; ``MEMLM_RERANK_DEPTH``).
+        ``pointers``: /score and the policy's decision follow RetoMaton's pointers and
+        search only where they fail (memlm.memory.pointers; ``MEMLM_POINTERS``; off by
+        default)."""
         self.data_dir = Path(data_dir)
+        if rerank_depth is not None and rerank_depth < 1:
+            raise ValueError(f"rerank_depth must be >= 1, got {rerank_depth}")
+        self.rerank_depth = rerank_depth
+        self.pointers = pointers
+        self._follow: dict[int, PointerSearch] = {}  # by k: each learns its own threshold
+        # encode_ahead's one slot: ((text, key_ce), the encode running on its own thread)
+        self._ahead: tuple[tuple[str, bool], Future[tuple[list[int], TokenOutputs]]] | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead_lock = threading.Lock()
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
         self.encoder = encoder
@@ -140,7 +158,7 @@ class EngineCore:
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours
         width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
-        dist, ids, vals = self.memory.search(out.keys, width)
+        dist, ids, vals = self._search_document(out, width)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
         lam = served.lambdas(
             out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions
@@ -148,6 +166,24 @@ class EngineCore:
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
         scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
         return scores, lam, (dist, ids, vals)
+
+    def _search_document(self, out: TokenOutputs, k: int) -> Neighbours:
+        """The k neighbours of a document's tokens: one search, or the pointers first."""
+        if self.pointers is None:
+            return self.memory.search(out.keys, k, depth=self.rerank_depth)
+        ps = self._follow.get(k)
+        if ps is None:
+            ps = self._follow.setdefault(
+                k,
+                PointerSearch(
+                    lambda q, kk: self.memory.search(q, kk, depth=self.rerank_depth),
+                    self.memory.successors,
+                    k,
+                    self.pointers,
+                ),
+            )
+        dist, ids, vals, _ = ps.document(out.keys, out.targets)
+        return Neighbours(dist, ids, vals)
 
     def _encode(self, text: str, key_ce: bool = False) -> tuple[list[int], TokenOutputs]:
         ids = self.encoder.tokenize(text)
@@ -201,7 +237,10 @@ class EngineCore:
         return self.memory.refresh() if self.readonly or self.shared else 0
 
     def close(self) -> None:
-        """Let go of the memory (its files, or its server connection)."""
+        """Let go of the memory (its files, or its server connection) and of the thread
+        that encodes ahead."""
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True, cancel_futures=True)
         self.memory.close()
 
     def _check_writer(self) -> None:

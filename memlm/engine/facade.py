@@ -21,6 +21,7 @@ from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 from memlm.memory import stored_key_precision
 from memlm.memory.consolidation import ConsolidationConfig
+from memlm.memory.pointers import PointerConfig
 
 if TYPE_CHECKING:
     from memlm.engine.protocol import EngineLike
@@ -65,6 +66,8 @@ class Engine(
         memory_url: str | None = None,
         evidence: bool = False,
         consolidation: ConsolidationConfig | None = None,
+        rerank_depth: int | None = None,
+        pointers: PointerConfig | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -94,6 +97,8 @@ class Engine(
             memory_url=memory_url,
             evidence=evidence,
             consolidation=consolidation,
+            rerank_depth=rerank_depth,
+            pointers=pointers,
         )
 
 

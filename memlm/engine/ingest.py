@@ -4,6 +4,7 @@ append durably (and roll back an uncommitted tail)."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -20,6 +21,27 @@ log = logging.getLogger(__name__)
 
 class IngestMixin(EngineCore):
     """The data flow's write side: ``process_document`` = ``prepare`` + ``store``."""
+
+    def encode_ahead(self, text: str, *, policy: Policy | str | None = None) -> None:
+        """Start encoding the document the caller prepares next, on a thread of its own,
+        so that its forward overlaps the search and the decision of the current one (the
+        encode reads no memory: the result is the same). One slot: a later call replaces
+        an earlier one that was not taken."""
+        key = (text, self._policy(policy).needs_key_ce)
+        with self._ahead_lock:
+            if self._ahead is not None and self._ahead[0] == key:
+                return
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="encode-ahead")
+            self._ahead = (key, self._ahead_pool.submit(self._encode, *key))
+
+    def _encoded(self, text: str, key_ce: bool) -> tuple[list[int], TokenOutputs]:
+        """The token ids and outputs of ``text``: encode_ahead's if it started this one."""
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (text, key_ce):
+            return ahead[1].result()  # what encoding here would give, or raise
+        return self._encode(text, key_ce)
 
     # --- the data flow ---------------------------------------------------------------------
 
@@ -52,7 +74,7 @@ class IngestMixin(EngineCore):
             self.reload_index()
         pol = self._policy(policy)
         served = self.served  # MoNIM asks the model served now (read once)
-        token_ids, out = self._encode(text, pol.needs_key_ce)
+        token_ids, out = self._encoded(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
             scores, _, (dist, ids, vals) = self._scores(out, served)
@@ -125,7 +147,7 @@ class IngestMixin(EngineCore):
         if search is not None and search[0].shape[1] >= width:
             dist, vals = search[0][rows, :width], search[1][rows, :width]
         else:
-            dist, _, vals = self.memory.search(out.keys[rows], width)
+            dist, _, vals = self.memory.search(out.keys[rows], width, depth=self.rerank_depth)
         n = len(rows)
         queries = out.keys[rows].astype(np.float32)
         seen_d, seen_v = seen_view(

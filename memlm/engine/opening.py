@@ -45,6 +45,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     from memlm.knnlm import KnnParams
     from memlm.knnlm.policy import DEFAULT_DELTA
     from memlm.memory.consolidation import ConsolidationConfig
+    from memlm.memory.pointers import PointerConfig
 
     # A writer shares the data directory: other worker processes may append in turn.
     extra: dict[str, Any] = {"shared": True} if writer else {"readonly": True}
@@ -71,6 +72,8 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         device=settings.device,
         encoder=encoder,
         gate_theta=settings.gate_theta,
+        rerank_depth=settings.rerank_depth,
+        pointers=None if settings.pointers is None else PointerConfig(min_hits=settings.pointers),
         heldout=HeldOutConfig(
             enabled=settings.calibrator_training,  # a read-only engine never records
             share=settings.calibrator_sample,

@@ -156,7 +156,7 @@ class PredictMixin(EngineCore):
         vals = np.full((n, k), -1, np.int32)
         if looked_up.any():
             dist[looked_up], eids[looked_up], vals[looked_up] = self.memory.search(
-                keys[looked_up].float().numpy(), k
+                keys[looked_up].float().numpy(), k, depth=self.rerank_depth
             )
         kk, temperature = served.params.k, served.params.temperature
         qnorm = (keys.float() ** 2).sum(dim=1).numpy()  # (R,) the evidence's distance scale

@@ -13,6 +13,7 @@ from memlm.evaluate.run import TrimeSpec
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
 from memlm.memory.consolidation import ConsolidationConfig
+from memlm.memory.pointers import PointerConfig
 
 
 @dataclass
@@ -41,6 +42,14 @@ class EvalConfig:
     split_file: str | None = None
     k_max: int = 1024  # MoNIM searches 1K neighbours; tuning picks k <= k_max on dev
     index_kind: str = "auto"
+    # Candidates each search re-ranks exactly (IVF-PQ), per caller; None: the index's
+    # default max(4 k, 1024): 4,096 for the held-out tokens' k_max = 1,024, 1,024 for
+    # MoNIM's decision at k <= 64 (recall and ppl of each cut: docs/memory.md)
+    rerank_depth: int | None = None  # held-out, out-of-domain and month-end searches
+    ingest_rerank_depth: int | None = None  # the policy's decision while ingesting
+    # RetoMaton's pointers for the policy's and the held-out searches (--pointers); None:
+    # every token searched (the default: docs/memory.md, "Reuse what the last token found")
+    pointers: PointerConfig | None = None
     grid: TuneGrid = field(default_factory=TuneGrid)
     threads: int | None = None
     keep_stores: bool = False

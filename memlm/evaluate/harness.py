@@ -278,6 +278,9 @@ def _evaluate(
             ingest_evidence=cfg.lambda_mode == "evidence" and cfg.ingest is None,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
+            rerank_depth=cfg.rerank_depth,
+            ingest_rerank_depth=cfg.ingest_rerank_depth,
+            pointers=cfg.pointers,
             trime=cfg.trime,
             served_grid=fixed_grid(SERVED_GRID, cfg),
             served_default=KnnParams(

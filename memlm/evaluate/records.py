@@ -99,6 +99,9 @@ class DayStats:
     # (memlm.memory.consolidation) and the seconds spent counting usage while ingesting
     consolidation: dict[str, Any] | None = None
     usage_seconds: float = 0.0
+    # --pointers: queries the day's ingest and held-out tokens sent to the index, of how
+    # many tokens (RetoMaton's pointers answered the rest; None: every token searched)
+    searched: dict[str, int] | None = None
 
 
 @dataclass

@@ -98,6 +98,8 @@ def build_report(
                 rows[-1]["memrate_day_lm_alone"] = (
                     ds_.stored_lm_alone / ds_.tokens_seen if ds_.tokens_seen else 0.0
                 )
+            if ds_.searched is not None:  # --pointers: queries the index got, of how many
+                rows[-1]["searched"] = dict(ds_.searched)
         per_day[name] = rows
     for name, r in results.items():
         if cfg.lambda_mode == "calibrated" and name != "bare":
@@ -136,6 +138,9 @@ def build_report(
             "rand_rate": runs["randmem"].memrate if "randmem" in runs else None,
             "seeds": {"split": cfg.seed, "randmem": cfg.seed},
             "index_kind": cfg.index_kind,
+            # None: the index's default, max(4 k, 1024) candidates re-ranked
+            "rerank_depth": {"heldout": cfg.rerank_depth, "ingest": cfg.ingest_rerank_depth},
+            "pointers": None if cfg.pointers is None else asdict(cfg.pointers),
             "tuning": "k, temperature, lambda: grid search on dev tokens (all days), applied to "
             "test; values fixed by --k/--temperature/--lambda-value are not tuned",
             "lambda_mode": cfg.lambda_mode,

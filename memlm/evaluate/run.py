@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, token_scores
 from memlm.memory.consolidation import ConsolidationConfig, consolidate
 from memlm.memory.faiss_backend import FaissMemory
+from memlm.memory.pointers import PointerConfig, PointerSearch
 from memlm.memory.usage import Usage
 
 
@@ -88,6 +90,9 @@ def run_policy(
     ingest_evidence: bool = False,
     k_max: int,
     index_kind: str = "auto",
+    rerank_depth: int | None = None,
+    ingest_rerank_depth: int | None = None,
+    pointers: PointerConfig | None = None,
     on_day: Callable[[DayStats], None] | None = None,
     trime: TrimeSpec | None = None,
     served_grid: TuneGrid = SERVED_GRID,
@@ -117,6 +122,11 @@ def run_policy(
     ``consolidation``: re-test stored entries and keep a budget every evening before the
     build (memlm.memory.consolidation), with the LM's log-probability of each stored token
     (kept beside the datastore) and the usage counted from MoNIM's searches.
+    ``rerank_depth`` / ``ingest_rerank_depth``: the re-rank depth of the held-out (and
+    out-of-domain, month-end) searches / of the policy's searches (None: the index's).
+    ``pointers``: the policy's and the held-out tokens' searches follow RetoMaton's
+    pointers (memlm.memory.pointers) and search only where they fail; the threshold is
+    learned within this call (a resumed run learns it again).
     """
     name = name or (policy.name if policy is not None else "bare")
     state = checkpoint.load(workdir) if resume else None
@@ -146,6 +156,24 @@ def run_policy(
     usage = Usage.load(workdir)
     lm_path = workdir / "lm_logprob.npy"  # log p_LM of each entry's value, by entry id
     lm_lp = list(np.load(lm_path)[: len(ds)]) if lm_path.exists() else []
+    follow: dict[tuple[str, int], PointerSearch] = {}
+    day_counts = (0, 0)  # (searched, tokens) of the pointers up to the last day
+
+    def neighbours_of(
+        kind: str, o: TokenOutputs, k: int, depth: int | None
+    ) -> tuple[Any, Any, Any]:
+        """(distances, ids, values) of one document's tokens: the full search, or the
+        pointers."""
+        if pointers is None:
+            return index.search_values(o.keys, k, depth=depth)
+        ps = follow.get((kind, k))
+        if ps is None:
+            ps = follow[(kind, k)] = PointerSearch(
+                lambda q, kk: index.search_values(q, kk, depth=depth), index.successors, k, pointers
+            )
+        dist, ids, vals, _ = ps.document(o.keys, o.targets)
+        return dist, ids, vals
+
     for day_index in range(len(state.days), len(plans)):
         plan = plans[day_index]
         t0, w0 = time.perf_counter(), cache.wait_seconds
@@ -174,7 +202,7 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, nb_ids, vals = index.search_values(o.keys, knn.k)
+                dist, nb_ids, vals = neighbours_of("ingest", o, knn.k, ingest_rerank_depth)
                 if consolidation is not None:
                     t_usage = time.perf_counter()
                     usage.add(nb_ids, vals, o.targets)
@@ -230,7 +258,7 @@ def run_policy(
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
             target = day_dev if split == "dev" else day_test
             for i, o in enumerate(cache.get_many([d.text for d in docs])):
-                dist, _, vals = index.search_values(o.keys, k_max)
+                dist, _, vals = neighbours_of("heldout", o, k_max, rerank_depth)
                 cols = None if trime is None else trime.columns(o, cache.window)
                 target.add(o, dist, vals, dnum, i, lexical.features(o.prev_tokens), cols)
         extend(dev, day_dev)
@@ -239,7 +267,7 @@ def run_policy(
             plan.day
         )
         if rescore is not None and policy is not None and last_of_month:
-            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz")
+            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz", rerank_depth)
         if ingest_params is None and policy is not None and policy.needs_augmented:
             choice = choose_constant(
                 dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
@@ -251,6 +279,10 @@ def run_policy(
                 )
                 state.served["params"] = replace(choice.params, temperature=temperature)
                 state.served["evidence"] = model.to_json()
+        counted = (
+            sum(ps.stats.searched for ps in follow.values()),
+            sum(ps.stats.tokens for ps in follow.values()),
+        )
         state.seen += day_seen
         state.stored += day_stored
         stats = DayStats(
@@ -269,12 +301,16 @@ def run_policy(
             stored_lm_alone=day_alone if policy is not None and policy.needs_augmented else None,
             consolidation=night,
             usage_seconds=round(usage_s, 3),
+            searched=None
+            if pointers is None
+            else {"searched": counted[0] - day_counts[0], "tokens": counted[1] - day_counts[1]},
         )
+        day_counts = counted
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version
         state.finished = day_index + 1 == len(plans)
         if state.finished and ood:
-            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir)
+            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir, rerank_depth)
         checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
         lexical.save(workdir / "lexical.npz")
         checkpoint.save(workdir, state)
@@ -302,12 +338,13 @@ def _search_ood(
     last_day: int,
     k_max: int,
     workdir: Path,
+    rerank_depth: int | None = None,
 ) -> None:
     """Search each out-of-domain corpus against the final memory (one day after the stream)."""
     for i, (name, docs) in enumerate(ood.items()):
         part = EvalTokens()
         for j, o in enumerate(cache.get_many([d.text for d in docs])):
-            dist, _, vals = index.search_values(o.keys, k_max)
+            dist, _, vals = index.search_values(o.keys, k_max, depth=rerank_depth)
             part.add(o, dist, vals, last_day + 1 + i, j, lexical.features(o.prev_tokens))
         checkpoint.save_arrays(workdir / "eval" / f"ood-{name}.npz", part.arrays(k_max))
 

@@ -91,6 +91,16 @@ class IndexParams:
         """An exact flat index whatever the size (tests, small evaluations)."""
         return cls(kind="flat", nlist=1, m=1, nprobe=1, train_size=0, rerank_factor=1)
 
+    def rerank_depth(self, k: int, depth: int | None = None) -> int:
+        """PQ candidates a search of ``k`` neighbours re-ranks exactly: ``depth`` when the
+        caller names one (never fewer than ``k``), else ``max(rerank_factor * k,
+        rerank_min)`` (4,096 at k = 1,024; 1,024 at k <= 256)."""
+        if depth is not None:
+            if depth < 1:
+                raise ValueError(f"depth must be >= 1, got {depth}")
+            return max(k, depth)
+        return max(self.rerank_factor * k, self.rerank_min)
+
     @property
     def train_sample(self) -> int:
         """Keys the training actually samples: ``train_size``, at most 256 per list."""

@@ -243,16 +243,24 @@ class MemoryIndex:
         }
 
     def search(
-        self, queries: npt.ArrayLike, k: int, *, rerank: bool | None = None
+        self,
+        queries: npt.ArrayLike,
+        k: int,
+        *,
+        rerank: bool | None = None,
+        depth: int | None = None,
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         """k nearest live entries of each query: (squared L2 distances (nq, k), ids (nq, k)).
 
         Rows are ascending; padded with (inf, -1) when fewer than k live entries exist.
-        ``rerank`` (default: on for IVF-PQ) fetches ``rerank_factor * k`` (at least
-        ``rerank_min``) PQ candidates
-        and orders them by exact distances from the float16 keys; without it the built
-        part's distances are PQ approximations.
+        ``rerank`` (default: on for IVF-PQ) fetches ``depth`` PQ candidates (None: the
+        version's ``rerank_factor * k``, at least ``rerank_min``; never fewer than k) and
+        orders them by exact distances from the float16 keys; without it the built
+        part's distances are PQ approximations. ``depth`` is per call: a caller that needs
+        64 neighbours need not pay for the 4,096 candidates of one that needs 1,024.
         """
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         q = np.ascontiguousarray(queries, dtype=np.float32)
         dim = self.datastore.dim
         if q.ndim != 2 or q.shape[1] != dim:
@@ -264,7 +272,7 @@ class MemoryIndex:
         total = int((0 if st.built is None else st.built.ntotal) + st.fresh.ntotal)
         fetch = k
         while True:
-            dist, ids = self._search_once(st, q, fetch, rerank)
+            dist, ids = self._search_once(st, q, fetch, rerank, depth)
             # Drop stale built ids (-2) and deleted entries only now, after the merge: the
             # top ``fetch`` of the union minus dead ones are the nearest live ones.
             keep = (ids >= 0) & (ids < len(self.datastore))  # < len: truncated, no refresh
@@ -286,11 +294,12 @@ class MemoryIndex:
         return out_d, out_i
 
     def search_values(
-        self, queries: npt.ArrayLike, k: int
+        self, queries: npt.ArrayLike, k: int, *, depth: int | None = None
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.int32]]:
         """:meth:`search` plus each neighbour's value (next token); -1 pads ids and values.
 
         An empty memory or no query gives padded (inf, -1, -1) arrays without searching.
+        ``depth``: the re-rank depth of this call (see :meth:`search`).
         """
         q = np.ascontiguousarray(queries, dtype=np.float32)
         n = len(q)
@@ -300,18 +309,57 @@ class MemoryIndex:
                 np.full((n, k), -1, np.int64),
                 np.full((n, k), -1, np.int32),
             )
-        dist, ids = self.search(q, k)
+        dist, ids = self.search(q, k, depth=depth)
         vals = np.full(ids.shape, -1, np.int32)
         ok = ids >= 0
         vals[ok] = self.datastore.values(ids[ok])
         return dist, ids, vals
 
+    def successors(
+        self, queries: npt.ArrayLike, ids: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """The entries that follow ``ids`` in their documents, with exact distances to the
+        row's query: (distances, ids, values), each (nq, m), ascending, padded (inf, -1, -1).
+
+        Entry ``i + 1`` follows ``i`` when it is the same document's entry of the next
+        position (a document's entries are appended in one run, so its ids are
+        consecutive; a policy that skipped the next token leaves ``i`` without one) and
+        it is searchable now: live, and appended before the last ``refresh``. Distances are squared L2 from
+        the float16 keys, as the re-rank computes them. ``ids`` (nq, m): -1 pads.
+        """
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        prev = np.asarray(ids, dtype=np.int64)
+        if q.ndim != 2 or q.shape[1] != self.datastore.dim or prev.shape[:1] != q.shape[:1]:
+            raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
+        nxt = np.where(prev >= 0, prev + 1, -1)
+        st = self._state
+        ok = (prev >= 0) & (nxt < min(st.fresh_upto, len(self.datastore)))
+        ok[ok] = ~self._dead(nxt[ok])
+        ok[ok] = ~self._dead(prev[ok])
+        if ok.any():
+            d0, p0, _ = self.datastore.provenance(prev[ok])
+            d1, p1, _ = self.datastore.provenance(nxt[ok])
+            ok[ok] = (d0 == d1) & (p1 == p0 + 1)
+        nxt = np.where(ok, nxt, -1)
+        dist = self._exact_distances(q, nxt)
+        order = np.argsort(dist, axis=1, kind="stable")
+        dist, nxt = np.take_along_axis(dist, order, 1), np.take_along_axis(nxt, order, 1)
+        vals = np.full(nxt.shape, -1, np.int32)
+        found = nxt >= 0
+        vals[found] = self.datastore.values(nxt[found])
+        return dist, nxt, vals
+
     def _search_once(
-        self, st: _State, q: npt.NDArray[np.float32], k: int, rerank: bool | None
+        self,
+        st: _State,
+        q: npt.NDArray[np.float32],
+        k: int,
+        rerank: bool | None,
+        depth: int | None = None,
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         parts_d, parts_i = [], []
         if st.built is not None and st.built.ntotal and st.info is not None:
-            d, i = self._search_built(st, q, k, rerank)
+            d, i = self._search_built(st, q, k, rerank, depth)
             parts_d.append(d)
             parts_i.append(i)
         with self._fresh_lock.read():
@@ -331,7 +379,12 @@ class MemoryIndex:
         return np.take_along_axis(dist, order, 1), np.take_along_axis(ids, order, 1)
 
     def _search_built(
-        self, st: _State, q: npt.NDArray[np.float32], k: int, rerank: bool | None
+        self,
+        st: _State,
+        q: npt.NDArray[np.float32],
+        k: int,
+        rerank: bool | None,
+        depth: int | None = None,
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         assert st.built is not None and st.info is not None
         p = st.info.params
@@ -339,8 +392,7 @@ class MemoryIndex:
             d, i = st.built.search(q, min(k, st.built.ntotal))
             return self._drop_stale(st, d, i)
         do_rerank = p.rerank_factor > 1 if rerank is None else rerank
-        fetch = k * p.rerank_factor if do_rerank else k
-        fetch = min(max(fetch, p.rerank_min) if do_rerank else fetch, st.built.ntotal)
+        fetch = min(p.rerank_depth(k, depth) if do_rerank else k, st.built.ntotal)
         # Scan enough lists that ~2x ``fetch`` codes are visited on average.
         per_list = max(1.0, st.built.ntotal / p.nlist)
         nprobe = min(p.nlist, max(p.nprobe, math.ceil(2 * fetch / per_list)))

@@ -209,8 +209,19 @@ class MemoryBackend(Protocol):
 
     # --- reading ------------------------------------------------------------------------
 
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
-        """The k nearest live entries of each query (one batched call for all rows)."""
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        """The k nearest live entries of each query (one batched call for all rows).
+
+        ``depth``: approximate candidates this call re-ranks exactly (never fewer than k);
+        None: the memory's own default. Each caller pays for its own: MoNIM's decision
+        and the served interpolation need k <= 64, the evaluation's tuning 1,024."""
+        ...
+
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        """The entries that follow ``ids`` (nq, m; -1 pads) in their documents (the same
+        document's entry of the next position, where it stored one), with exact squared L2 distances to each row's
+        query, ascending, padded (inf, -1, -1): RetoMaton's pointers
+        (memlm.memory.pointers)."""
         ...
 
     def scan(self, cursor: int, limit: int) -> Scanned:

@@ -209,8 +209,11 @@ class FaissMemory(MemoryBackend):
 
     # --- reading -----------------------------------------------------------------------
 
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
-        return Neighbours(*self.index.search_values(queries, k))
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        return Neighbours(*self.index.search_values(queries, k, depth=depth))
+
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        return Neighbours(*self.index.successors(queries, ids))
 
     def scan(self, cursor: int, limit: int) -> Scanned:
         ds = self.datastore

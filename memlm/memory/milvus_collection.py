@@ -39,6 +39,7 @@ from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
+    MAX_POSITION,
     Collection,
     MilvusException,
     MilvusMemoryError,
@@ -305,19 +306,25 @@ class MilvusCollection:
         return 0
 
     @mapped
-    def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
+    def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        """``depth`` (this call's re-rank depth): re-rank that many IVF_PQ candidates from
+        their stored keys even where the URL leaves re-ranking off; None: the URL's choice,
+        ``rerank_factor * k`` candidates when ``rerank=1``."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"queries: expected shape (nq, {self.dim}), got {q.shape}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         nq = len(q)
         out = empty_neighbours(nq, k)
         if nq == 0:
             return out
         p = self.params
-        rerank = self.url.rerank and p.kind == "ivfpq"
-        fetch = min(MAX_TOPK, k * p.rerank_factor if rerank else k)
+        rerank = (self.url.rerank or depth is not None) and p.kind == "ivfpq"
+        wanted = (k * p.rerank_factor if depth is None else max(k, depth)) if rerank else k
+        fetch = min(MAX_TOPK, wanted)
         param = {"metric_type": "L2", "params": {"nprobe": p.nprobe} if p.kind == "ivfpq" else {}}
         fields = ["value", "key"] if rerank else ["value"]
         for a in range(0, nq, SEARCH_BATCH):
@@ -366,6 +373,39 @@ class MilvusCollection:
         values = np.array([r["value"] for r in rows], np.int32)
         nxt = int(ids[-1]) + 1 if len(ids) == limit and len(ids) else 0
         return Scanned(ids, keys, values, nxt)
+
+    def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        """Entry ``doc_id * 2**24 + position + 1`` where the document stored it: one query
+        for all rows, exact distances from the stored float32 keys."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        prev = np.asarray(ids, np.int64)
+        if q.ndim != 2 or q.shape[1] != self.dim or prev.shape[:1] != q.shape[:1]:
+            raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
+        out = empty_neighbours(*prev.shape)
+        last = MAX_POSITION - 1  # id + 1 of a document's last position is another document
+        want = np.unique(prev[(prev >= 0) & ((prev & last) < last)] + 1)
+        if not len(want):
+            return out
+        rows = self.collection.query(
+            f"id in {want.tolist()}",
+            output_fields=["value", "key"],
+            consistency_level=self.url.consistency,
+            timeout=self.timeout,
+        )
+        found = {int(r["id"]): r for r in rows}
+        for r in range(prev.shape[0]):
+            hits = [found[int(i) + 1] for i in prev[r] if i >= 0 and int(i) + 1 in found]
+            if not hits:
+                continue
+            keys = np.array([h["key"] for h in hits], np.float32)
+            diff = keys - q[r]
+            dist = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
+            order = np.argsort(dist, kind="stable")
+            m = len(order)
+            out.distances[r, :m] = dist[order]
+            out.ids[r, :m] = [int(hits[j]["id"]) for j in order]
+            out.values[r, :m] = [int(hits[j]["value"]) for j in order]
+        return out
 
     @mapped
     def provenance(self, ids: npt.ArrayLike) -> Provenance:

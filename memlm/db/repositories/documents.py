@@ -381,6 +381,23 @@ class DocumentRepository:
         q = select(Document.status, func.count()).group_by(Document.status)
         return {status: int(n) for status, n in self.s.execute(q)}
 
+    def peek_next(self) -> tuple[int, str] | None:
+        """(id, text) of the document ``claim_next`` would give now, without claiming it: a
+        worker encodes it ahead while its current document is searched (it may be claimed
+        by another worker meanwhile; the encode is then wasted, never wrong)."""
+        now = utcnow()
+        q = (
+            select(Document.id, Document.text)
+            .where(
+                Document.status == "pending",
+                or_(Document.retry_at.is_(None), Document.retry_at <= now),
+            )
+            .order_by(Document.published_at, Document.id)
+            .limit(1)
+        )
+        row = self.s.execute(q).first()
+        return None if row is None else (int(row[0]), str(row[1]))
+
     def pending_count(self) -> int:
         q = select(func.count()).select_from(Document).where(Document.status == "pending")
         return int(self.s.scalar(q) or 0)
