@@ -24,6 +24,7 @@ import numpy as np
 
 from memlm.api.dashboard import HeldOut, HeldOutDay
 from memlm.calibrator import TOP_N, gold_knn_logprob, token_features
+from memlm.calibrator.combined import combine
 from memlm.calibrator.heldout import FIELDS, OPTIONAL_FIELDS
 from memlm.knnlm import has_neighbours, interpolate
 
@@ -37,7 +38,7 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
     valid = has_neighbours(np.where(rows["values"][:, :k] >= 0, 0, -1))
     knn = gold_knn_logprob(rows, params)
     lam: float | np.ndarray = params.lmbda
-    if served.lambda_source == "evidence":
+    if served.lambda_source in ("evidence", "combined"):
         # records from before the query norm was kept: the constant for those rows
         q = rows.get("qnorm", np.full(len(knn), np.nan))
         ev = served.evidence.lambdas(
@@ -48,7 +49,7 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
             rows.get("context"),
         )
         lam = np.where(np.isfinite(q), ev, params.lmbda)
-    cal = served.calibrator if served.lambda_source == "calibrator" else None
+    cal = served.calibrator if served.uses_calibrator else None
     gate = served.gate if served.theta > 0 else None
     if cal is not None or gate is not None:
         width = max(k, TOP_N)
@@ -60,7 +61,13 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
             rows["values"][:, :width],
         )
         if cal is not None:
-            lam = cal.predict({n: feats[n] for n in cal.cfg.features})
+            lam_cal = cal.predict({n: feats[n] for n in cal.cfg.features})
+            # combined: the larger of the two (memlm.calibrator.combined)
+            lam = (
+                combine(np.broadcast_to(lam, lam_cal.shape), lam_cal)
+                if served.evidence is not None
+                else lam_cal
+            )
         if gate is not None:
             searched = gate.predict({n: feats[n] for n in gate.cfg.features}) >= served.theta
             lam = np.where(searched, lam, 0.0)

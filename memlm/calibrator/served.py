@@ -18,6 +18,7 @@ import numpy as np
 
 from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator import retrain as build_time
+from memlm.calibrator.combined import calibrator_lambdas, combine
 from memlm.calibrator.evidence import PRIOR, EvidenceModel
 from memlm.calibrator.features import token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
@@ -56,9 +57,16 @@ class ServedInterpolation:
 
     @property
     def lambda_source(self) -> str:
+        """``combined`` (max of the evidence's and the calibrator's lambda), ``calibrator``
+        (the settings fix lambda and it beat the constant), ``evidence`` or ``constant``."""
         if self.use_calibrator and self.calibrator is not None:
-            return "calibrator"
+            return "combined" if self.evidence is not None else "calibrator"
         return "evidence" if self.evidence is not None else "constant"
+
+    @property
+    def uses_calibrator(self) -> bool:
+        """The calibrator's lambda takes part (alone or in the combination)."""
+        return self.lambda_source in ("calibrator", "combined")
 
     def gate_mask(
         self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
@@ -77,13 +85,12 @@ class ServedInterpolation:
         distances: np.ndarray,
         values: np.ndarray,
     ) -> np.ndarray | None:
-        """(m,) lambda from the served calibrator, None when the constant is served."""
-        if self.lambda_source != "calibrator" or self.lexical is None:
+        """(m,) lambda from the served calibrator alone, None when it takes no part."""
+        if not self.uses_calibrator or self.lexical is None:
             return None
         assert self.calibrator is not None
         lex = self.lexical.features(prev_tokens)
-        feats = token_features(top_logprob, entropy, lex, distances, values)
-        return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
+        return calibrator_lambdas(self.calibrator, top_logprob, entropy, lex, distances, values)
 
     def token_lambdas(
         self,
@@ -95,18 +102,43 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token before the gate: the calibrator's, the evidence's or
-        the constant.  distances, values: (m, >= params.k) search results sorted by
-        distance; qnorm: (m,) squared norm of each query key; context: (m,) tokens of
-        context before each predicted token (None: long)."""
-        cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
-        if cal is not None:
-            return cal
+        """(m,) lambda of each token before the gate (:meth:`lambdas_of`), the lexical
+        features read from the served statistics at ``prev_tokens``."""
+        lex = None
+        if self.uses_calibrator and self.lexical is not None:
+            lex = self.lexical.features(prev_tokens)
+        return self.lambdas_of(top_logprob, entropy, lex, distances, values, qnorm, context)
+
+    def lambdas_of(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        lexical: np.ndarray | None,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """(m,) lambda of each token before the gate: the combination, the calibrator's,
+        the evidence's or the constant.  distances, values: (m, >= params.k, and >= 10
+        where the calibrator takes part) search results sorted by distance; qnorm: (m,)
+        squared norm of each query key; context: (m,) tokens of context before each
+        predicted token (None: long); lexical: (m, 2) the lexical features (None: the
+        calibrator cannot be asked, the evidence or the constant answers)."""
+        k = self.params.k
+        ev = None
         if self.evidence is not None:
-            k = self.params.k
-            return self.evidence.lambdas(
+            ev = self.evidence.lambdas(
                 distances[:, :k], values[:, :k], qnorm, self.params.temperature, context
             )
+        if self.uses_calibrator and lexical is not None:
+            assert self.calibrator is not None
+            cal = calibrator_lambdas(
+                self.calibrator, top_logprob, entropy, lexical, distances, values
+            )
+            return cal if ev is None else combine(ev, cal)
+        if ev is not None:
+            return ev
         return np.full(len(top_logprob), self.params.lmbda)
 
     def lambdas(
@@ -201,9 +233,9 @@ class ServedCalibration:
     # The served version's parts, read from ``served`` (one consistent snapshot).
     @property
     def calibrator(self) -> Calibrator | None:
-        """The calibrator that sets lambda now (None: the constant is served)."""
+        """The calibrator that takes part in lambda now, alone or combined (None: it does not)."""
         s = self.served
-        return s.calibrator if s.lambda_source == "calibrator" else None
+        return s.calibrator if s.uses_calibrator else None
 
     @property
     def gate(self) -> Calibrator | None:
@@ -326,18 +358,18 @@ class ServedCalibration:
                 temperature=float(record["temperature"]),
                 lmbda=float(record["lambda"]),
             )
-            # the calibrator beat the constant: only the very one it was compared with
+            # the calibrator beat the constant (or joined the evidence): only the very one
+            # it was compared with
             compared = (record.get("calibrator") or {}).get("calibrator_version")
-            use = bool(record.get("lambda_source") == "calibrator" and compared == cal_v)
+            wanted = "combined" if self.use_evidence else "calibrator"
+            use = bool(record.get("lambda_source") == wanted and compared == cal_v)
         else:  # a data directory from before the choice was recorded: as it served then
-            params, use = self.default, cal is not None
+            params, use = self.default, cal is not None and not self.use_evidence
         model = None
         if self.use_evidence:
             model = PRIOR if ev is None else ev[1]
-            if ev is not None:  # k and T the evidence was fitted with
+            if ev is not None:  # k and T the evidence was fitted with (memlm.calibrator.combined)
                 params = replace(params, k=int(ev[2]["k"]), temperature=float(ev[2]["temperature"]))
-            # the calibrator serves only where it beat the evidence on the same tokens
-            use = bool(use and record.get("lambda_source") == "calibrator")
         self.served = ServedInterpolation(
             params=params,
             version=version,

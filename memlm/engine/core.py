@@ -131,7 +131,7 @@ class EngineCore:
         """
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours
-        width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
+        width = max(k, TOP_N) if served.uses_calibrator else k
         dist, ids, vals = self.memory.search(out.keys, width)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
         lam = served.lambdas(
