@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from memlm.calibrator.constant import TuneGrid
+from memlm.calibrator.heldout import HeldOutConfig
 from memlm.encoder import WindowConfig
 from memlm.evaluate.bootstrap import RESAMPLES
 from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
@@ -45,6 +46,8 @@ class EvalConfig:
     keep_stores: bool = False
     lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
     gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
+    # served only: dev tokens before the calibrator trains (MEMLM_CALIBRATOR_MIN_TOKENS)
+    calibrator_min_tokens: int = HeldOutConfig().min_tokens
     # No leakage (memlm.evaluate.dedup): drop duplicates from the stream, keep held-out
     # documents that overlap the memory out of dev and test; --no-dedup keeps the old plans
     dedup: bool = True

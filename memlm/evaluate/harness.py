@@ -271,7 +271,7 @@ def _evaluate(
             workroot / name,
             ingest_params=cfg.ingest,
             # MoNIM decides with the lambda the report scores with (the service's)
-            ingest_evidence=cfg.lambda_mode == "evidence" and cfg.ingest is None,
+            ingest_evidence=cfg.lambda_mode in ("evidence", "served") and cfg.ingest is None,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             trime=cfg.trime,
@@ -305,7 +305,7 @@ def _evaluate(
     report["leakage"] = leakage
     add_forgetting(report, runs, workroot, grid)
     if ood:
-        report["ood"] = ood_table(cfg, runs, report)
+        report["ood"] = ood_table(cfg, runs, report, cache.encoder.vocab_size)
     if cfg.names:
         report["names"] = name_tokens(cfg, plans, runs, report, cache)
     if cfg.finetune_lr is not None:  # the parametric continual-learning baseline
