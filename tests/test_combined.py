@@ -171,20 +171,14 @@ def test_a_tie_in_one_view_serves_only_with_a_gain_in_the_other() -> None:
 
 
 def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """choose() with the evidence on: the calibrator saved beside the version joins the
     evidence when it wins in both views; ServedCalibration then serves the max, at the
     evidence's k and T; a later build where it loses serves the evidence alone.  (The
-    evidence keeps the prior here: fitted on these rows it would learn their one distance
-    and tie the max; the fit itself: tests/test_evidence.py.)"""
-    from memlm.calibrator import retrain
-
-    monkeypatch.setattr(
-        retrain,
-        "_choose_evidence",
-        lambda rows, choice, grid: (PRIOR, {"k": K, "temperature": 2.0, "source": "prior"}),
-    )
+    evidence is given as fitted, the prior: fitted on these rows it would learn their one
+    distance and tie the max; the fit itself: tests/test_evidence.py.)"""
+    fitted = (PRIOR, {"k": K, "temperature": 2.0, "source": "prior"})
     root = tmp_path / "index"
     cal = constant_calibrator(0.3)
     cal.meta["index_version"] = 1
@@ -193,7 +187,7 @@ def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
     choice = ConstantChoice(params, "tuned", 800, 800, None, None)
     grid = TuneGrid(ks=(K,), temperatures=(2.0,), lambdas=(0.05,))
     rows = _with_seen(_rows(800, 0.4, True, 9), _rows(800, 0.6, True, 10))
-    rec = choose(rows, choice, grid, root, 1, evidence=True)
+    rec = choose(rows, choice, grid, root, 1, evidence=True, fitted=fitted)
     assert rec["lambda_source"] == "combined"
     assert rec["evidence"]["combined"]["serve"] is True
     served = ServedCalibration(tmp_path / "data", 50, default=params, evidence=True)
@@ -210,7 +204,7 @@ def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
     # version 2: the seen view's neighbours are wrong, the combination loses there
     cal.save(root / "v000002" / "calibrator")
     rows2 = _with_seen(_rows(800, 0.4, True, 9), _rows(800, 0.6, False, 10))
-    rec2 = choose(rows2, choice, grid, root, 2, evidence=True)
+    rec2 = choose(rows2, choice, grid, root, 2, evidence=True, fitted=fitted)
     assert rec2["lambda_source"] == "evidence"
     served.load_for(root, 2)
     assert served.served.lambda_source == "evidence" and served.calibrator is None

@@ -109,18 +109,22 @@ def choose(
     version: int,
     *,
     evidence: bool = False,
+    fitted: tuple[Any, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Record what ``version`` serves (``interpolation.json`` beside it) and return it:
     the constant chosen, and the calibrator instead if it beat it on validation tokens;
     with ``evidence``, the evidence model, and the combination with the calibrator
-    (memlm.calibrator.combined) where it beat the evidence alone in both views."""
+    (memlm.calibrator.combined) where it beat the evidence alone in both views.  ``fitted``:
+    the evidence already fitted on these rows (:func:`fit_evidence`), e.g. because the
+    calibrator was trained at its temperature."""
     from memlm.calibrator.constant import save_choice
 
     compared = compare(rows, choice.params, index_root, version)
     source = "calibrator" if compared is not None and compared["beats_constant"] else "constant"
     ev_record = None
     if evidence:
-        model, ev_record = _choose_evidence(rows, choice, grid)
+        model, ev_record = fit_evidence(rows, choice, grid) if fitted is None else fitted
+        ev_record = dict(ev_record)
         evidence_files.save(index_root, version, model, ev_record)
         # the calibrator joins (lambda = max of the two) only where the combination beats
         # the evidence alone in both views of the same validation tokens
@@ -153,11 +157,15 @@ def choose(
     return record
 
 
-def _choose_evidence(
+def fit_evidence(
     rows: dict[str, np.ndarray], choice: ConstantChoice, grid: TuneGrid
 ) -> tuple[Any, dict[str, Any]]:
     """The evidence model of a build, fitted on the held-out tokens outside the
-    calibrator's validation split (memlm.calibrator.evidence.choose)."""
+    calibrator's validation split (memlm.calibrator.evidence.choose), and its record.
+
+    A build fits it before training the calibrator: the calibrator learns its lambdas for
+    p_kNN at the evidence's temperature, the one T the combination serves with
+    (memlm.calibrator.combined)."""
     from memlm.calibrator.evidence import PRIOR
 
     k = choice.params.k

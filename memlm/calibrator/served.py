@@ -402,12 +402,42 @@ class ServedCalibration:
         """:func:`memlm.calibrator.retrain.compare` on the tokens merged so far."""
         return build_time.compare(self.training_rows(), params, index_root, version)
 
+    def fit_evidence(
+        self, choice: ConstantChoice, grid: TuneGrid
+    ) -> tuple[EvidenceModel, dict[str, Any]] | None:
+        """:func:`memlm.calibrator.retrain.fit_evidence` on the tokens merged so far (None
+        when the settings fix lambda)."""
+        if not self.use_evidence:
+            return None
+        return build_time.fit_evidence(self.training_rows(), choice, grid)
+
+    def calibrator_params(
+        self, choice: ConstantChoice, fitted: tuple[EvidenceModel, dict[str, Any]] | None
+    ) -> KnnParams:
+        """k, T, lambda the calibrator trains with: the constant's, at the evidence's T when
+        the evidence serves (the combination mixes one p_kNN, memlm.calibrator.combined)."""
+        if fitted is None:
+            return choice.params
+        return replace(choice.params, temperature=float(fitted[1]["temperature"]))
+
     def choose(
-        self, choice: ConstantChoice, grid: TuneGrid, index_root: Path, version: int
+        self,
+        choice: ConstantChoice,
+        grid: TuneGrid,
+        index_root: Path,
+        version: int,
+        *,
+        fitted: tuple[EvidenceModel, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """:func:`memlm.calibrator.retrain.choose` on the tokens merged so far."""
         return build_time.choose(
-            self.training_rows(), choice, grid, index_root, version, evidence=self.use_evidence
+            self.training_rows(),
+            choice,
+            grid,
+            index_root,
+            version,
+            evidence=self.use_evidence,
+            fitted=fitted,
         )
 
     # --- the training set (:class:`HeldoutSet`) -------------------------------------------

@@ -97,6 +97,7 @@ _NOT_IDENTITY = {
     "encode_shard",
     "merge_from",
     "follow_encode",
+    "calibrator_min_tokens",  # read by the report only (--lambda served)
 }
 # ...and those that may differ between runs merged into one report (--merge).
 _MERGEABLE = {"policies", "rand_rate"}

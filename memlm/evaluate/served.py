@@ -2,10 +2,11 @@
 
 Each evening d the dev tokens of the days <= d play the service's held-out training set
 (each recorded against its evening's memory, as the ingest worker records them), and the
-build's own functions run on them in a scratch index root: :func:`retrain` trains the
-calibrator (warm start from the evening before, nothing below ``min_tokens``), and
-:func:`choose` fits the evidence and decides whether the combination
-(memlm.calibrator.combined) beats the evidence alone in both views.  The test tokens of day
+build's own functions run on them in a scratch index root, in the build's order:
+:func:`fit_evidence` fits the evidence, :func:`retrain` trains the calibrator at the
+evidence's temperature (warm start from the evening before, nothing below ``min_tokens``),
+and :func:`choose` decides whether the combination (memlm.calibrator.combined) beats the
+evidence alone in both views.  The test tokens of day
 d are then scored by the :class:`ServedInterpolation` that :class:`ServedCalibration` loads
 for that version, as ``/score`` would answer them.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import numpy as np
 from memlm.calibrator import ServedCalibration
 from memlm.calibrator.constant import SERVED_GRID, ConstantChoice, TuneGrid
 from memlm.calibrator.features import TOP_N, gold_knn_logprob
-from memlm.calibrator.retrain import choose, retrain
+from memlm.calibrator.retrain import choose, fit_evidence, retrain
 from memlm.engine.ingest import seen_view
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.plan import DayPlan, day_number
@@ -89,9 +91,13 @@ def served_stream(
             if use.any() and version != int(dev["day"][use].max()):
                 version = int(dev["day"][use].max())
                 rows = {k: v[use] for k, v in dev.items()}
-                trained = retrain(rows, params, root, version, min_tokens=min_tokens)
+                # as a build does it (memlm.engine.build): the evidence, the calibrator at
+                # the evidence's temperature, the decision
                 choice = ConstantChoice(params, "tuned", int(use.sum()), 0, None, None)
-                record = choose(rows, choice, grid, root, version, evidence=True)
+                fitted = fit_evidence(rows, choice, grid)
+                cal_params = replace(params, temperature=float(fitted[1]["temperature"]))
+                trained = retrain(rows, cal_params, root, version, min_tokens=min_tokens)
+                record = choose(rows, choice, grid, root, version, evidence=True, fitted=fitted)
                 served.load_for(root, version)
                 records.append(
                     {
@@ -102,7 +108,10 @@ def served_stream(
                         "calibrator_reason": trained.get("reason"),
                         "k": served.served.params.k,
                         "temperature": served.served.params.temperature,
-                        "evidence": (record.get("evidence") or {}).get("combined"),
+                        "evidence_model": None
+                        if served.served.evidence is None
+                        else served.served.evidence.to_json(),
+                        "decision": (record.get("evidence") or {}).get("combined"),
                     }
                 )
             s = served.served
