@@ -208,3 +208,82 @@ def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
     assert rec2["lambda_source"] == "evidence"
     served.load_for(root, 2)
     assert served.served.lambda_source == "evidence" and served.calibrator is None
+
+
+NEWS = [
+    "The harbour authority in Port Elsinore announced a new ferry timetable on Monday, "
+    "adding two crossings every weekday morning and one on Sunday evenings.",
+    "Ferry operators said the timetable would cut waiting times at the harbour by half "
+    "and that ticket prices would not change before the end of the year.",
+    "The central bank left its key interest rate unchanged and warned that rising "
+    "energy prices could keep inflation above its target until next spring.",
+    "Heavy snow closed schools across the north of Scotland for a second day on Friday, "
+    "and several rural roads stayed closed while gritters worked through the night.",
+    "Port Elsinore's mayor welcomed the new ferry timetable and promised a bigger car "
+    "park beside the harbour before the summer season begins.",
+    "Economists expect the central bank to raise interest rates before the summer if "
+    "energy prices keep rising at the pace of the last three months.",
+]
+
+
+def test_the_engine_serves_what_its_build_chose_after_a_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's engine (evidence on, every document's held-out tokens recorded with
+    their seen view): a build records the decision in both views and the engine serves what
+    it says.  On this tiny random model the combination loses the held-out view, so the
+    evidence serves; with the decision forced (the decision itself: the tests above) the
+    next build serves the combination and /predict answers with the max of the two
+    lambdas, at the evidence's k and T."""
+    from memlm.calibrator import retrain
+    from memlm.calibrator.heldout import HeldOutConfig
+    from memlm.encoder import Encoder
+    from memlm.engine import Engine
+
+    enc = Encoder.load("tiny-llama", threads=1)
+    eng = Engine.open(
+        tmp_path / "data",
+        encoder=enc,
+        knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        policy="fullmem",
+        grid=TuneGrid((8,), (1.0, 4.0), (0.1, 0.5)),
+        tune_min_tokens=32,
+        heldout=HeldOutConfig(enabled=True, share=1.0, day_tokens=4096, min_tokens=64),
+        evidence=True,
+    )
+    for i, text in enumerate(NEWS * 3):
+        eng.process_document(i + 1, text, 19000 + i // 6)
+    info = eng.rebuild()
+    assert info.calibrator["trained"] is True
+    rec = info.interpolation
+    dec = rec["evidence"]["combined"]
+    assert set(dec["views"]) == {"held-out", "seen"} and dec["views"]["seen"]["tokens"] > 0
+    h = dec["views"]["held-out"]
+    assert dec["serve"] is False and h["combined_nll"] > h["evidence_nll"]
+    assert rec["lambda_source"] == eng.calibration.served.lambda_source == "evidence"
+    assert eng.stats()["calibrator"]["active"] is False
+
+    real = retrain.decide
+    monkeypatch.setattr(retrain, "decide", lambda *a: {**real(*a), "serve": True})
+    for i, text in enumerate(NEWS):
+        eng.process_document(100 + i, text.replace("the", "a"), 19003)
+    info = eng.rebuild()
+    assert info.interpolation["lambda_source"] == "combined"
+    served = eng.calibration.served
+    assert served.lambda_source == "combined" and eng.stats()["calibrator"]["active"] is True
+    ev_rec = info.interpolation["evidence"]
+    assert (served.params.k, served.params.temperature) == (8, ev_rec["temperature"])
+    context = NEWS[4][: NEWS[4].index(" timetable")]
+    pred = eng.predict(context)
+    ids = enc.tokenize(context)
+    out = enc.encode_ids(ids + [ids[0]])  # the last row predicts after the context
+    dist, _, vals = eng.memory.search(out.keys[-1:], 10)
+    qnorm = (out.keys[-1:].astype(np.float64) ** 2).sum(axis=1)
+    ev = served.evidence.lambdas(
+        dist[:, :8], vals[:, :8], qnorm, served.params.temperature, out.positions[-1:]
+    )
+    cal = served.calibrated(
+        out.top_logprob[-1:], out.entropy[-1:], out.prev_tokens[-1:], dist, vals
+    )
+    assert cal is not None and float(cal[0]) != pytest.approx(float(ev[0]), rel=1e-3)
+    assert pred.lam == pytest.approx(max(float(ev[0]), float(cal[0])), rel=1e-4)
