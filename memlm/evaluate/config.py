@@ -81,3 +81,16 @@ class EvalConfig:
 def fixed_grid(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
     """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""
     return grid.fixed(k=cfg.k, temperature=cfg.temperature, lmbda=cfg.lmbda)
+
+
+def served_grid(cfg: EvalConfig) -> tuple[TuneGrid, KnnParams]:
+    """The service's grid and default with the values --k, --temperature, --lambda-value
+    fix: what MoNIM ingests with and what ``--lambda served`` builds choose from."""
+    from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
+
+    default = KnnParams(
+        k=cfg.k or SERVED_DEFAULT.k,
+        temperature=cfg.temperature or SERVED_DEFAULT.temperature,
+        lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
+    )
+    return fixed_grid(SERVED_GRID, cfg), default

@@ -11,7 +11,7 @@ import numpy as np
 from memlm.calibrator.constant import TuneGrid, ppl, token_logprobs
 from memlm.evaluate import forgetting
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig
+from memlm.evaluate.config import EvalConfig, served_grid
 from memlm.evaluate.names import name_words, pieces_of, summarise, top1_correct
 from memlm.evaluate.plan import DayPlan
 from memlm.evaluate.records import PolicyRun
@@ -183,9 +183,9 @@ def _served_ood(
     day (its tokens carry later days), from the dev tokens with their seen view."""
     from memlm.evaluate.served import served_stream
 
-    params = KnnParams(k=result["k"], temperature=result["temperature"], lmbda=result["lambda"])
+    grid, default = served_grid(cfg)
     lp, lam, _ = served_stream(
-        run.dev, tokens, params, vocab_size, min_tokens=cfg.calibrator_min_tokens
+        run.dev, tokens, grid, default, vocab_size, min_tokens=cfg.calibrator_min_tokens
     )
     return lp, lam
 

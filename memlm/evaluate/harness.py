@@ -12,12 +12,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
 from memlm.corpus import Document
 from memlm.encoder import Encoder
 from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.config import EvalConfig, fixed_grid, served_grid
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
 from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
@@ -27,7 +26,6 @@ from memlm.evaluate.paired import write_test_documents
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
 from memlm.evaluate.run import PolicyRun, run_policy
-from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 
 
@@ -276,12 +274,8 @@ def _evaluate(
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             trime=cfg.trime,
-            served_grid=fixed_grid(SERVED_GRID, cfg),
-            served_default=KnnParams(
-                k=cfg.k or SERVED_DEFAULT.k,
-                temperature=cfg.temperature or SERVED_DEFAULT.temperature,
-                lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
-            ),
+            served_grid=served_grid(cfg)[0],
+            served_default=served_grid(cfg)[1],
             on_day=lambda d: bar.update(d.tokens_seen),
             resume=cfg.resuming,
             rescore=rescore if name in cfg.forgetting_policies else None,

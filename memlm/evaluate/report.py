@@ -13,7 +13,7 @@ import numpy as np
 from memlm.calibrator.constant import ppl, token_logprobs, tune
 from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.config import EvalConfig, fixed_grid, served_grid
 from memlm.evaluate.markdown import extra_plots, sections
 from memlm.evaluate.paired import KEY_STRIDE, PairedScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
@@ -229,10 +229,12 @@ def _served_test(
     from memlm.evaluate.served import served_stream, with_seen_view
 
     run.dev = with_seen_view(run.dev, plans, cache)
+    grid, default = served_grid(cfg)
     lp, lam, days = served_stream(
         run.dev,
         run.test,
-        params,
+        grid,
+        default,
         cache.encoder.vocab_size,
         min_tokens=cfg.calibrator_min_tokens,
     )

@@ -13,9 +13,10 @@ for that version, as ``/score`` would answer them.
 The seen view of a dev token (its document's own entries in memory, which held-out dev
 documents never are) is made from the document's cached keys with the ingest worker's own
 :func:`memlm.engine.ingest.seen_view`, all of the document's tokens stored: the service's
-MoNIM adds only the entries its policy keeps.  k, T and lambda of the constant are the ones
-tuned on all dev, as the other modes use them; the service tunes them on its held-out
-tokens at each build.
+MoNIM adds only the entries its policy keeps.  The constant (k, T, lambda) is chosen each
+evening as a build chooses it, over the served grid (``SERVED_GRID``, k <= 64) with the
+served default until 1,024 dev tokens have a neighbour, not over the dev grid of the other
+modes (k up to 1,024).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from memlm.calibrator import ServedCalibration
-from memlm.calibrator.constant import SERVED_GRID, ConstantChoice, TuneGrid
+from memlm.calibrator.constant import MIN_TUNE_TOKENS, TuneGrid, choose_constant
 from memlm.calibrator.features import TOP_N, gold_knn_logprob
 from memlm.calibrator.retrain import choose, fit_evidence, retrain
 from memlm.engine.ingest import seen_view
@@ -65,26 +66,27 @@ def with_seen_view(
 def served_stream(
     dev: dict[str, np.ndarray],
     test: dict[str, np.ndarray],
-    params: KnnParams,
+    grid: TuneGrid,
+    default: KnnParams,
     vocab_size: int,
     *,
     min_tokens: int,
 ) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """Test log-probs and lambdas under each evening's served interpolation, and one record
-    per day (what was served: source, evidence model, the decision's per-view NLLs).
+    per day (what was served: the constant, source, evidence model, the decision's
+    per-view NLLs).  ``grid``, ``default``: the service's (the harness passes
+    ``SERVED_GRID`` and ``SERVED_DEFAULT`` with the values --k/--temperature fix).
 
     ``dev`` must carry the seen view (:func:`with_seen_view`); ``test`` rows of a day are
     scored with the build of that evening (dev days <= it)."""
     dev = {k: v for k, v in dev.items() if k != "trime"}
     dev["merged_for"] = dev["day"].astype(np.int64)  # each evening merges its own tokens
-    temps = tuple(sorted({*SERVED_GRID.temperatures, params.temperature}))
-    grid = TuneGrid(ks=(params.k,), temperatures=temps, lambdas=(max(params.lmbda, 1e-6),))
     n = len(test["gold"])
     lp, lam = np.zeros(n), np.zeros(n)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memlm-served-") as tmp:
         root = Path(tmp) / "index"
-        served = ServedCalibration(Path(tmp) / "data", vocab_size, default=params, evidence=True)
+        served = ServedCalibration(Path(tmp) / "data", vocab_size, default=default, evidence=True)
         version: int | None = None
         for day in sorted(set(test["day"].tolist())):
             use = dev["day"] <= day
@@ -93,9 +95,9 @@ def served_stream(
                 rows = {k: v[use] for k, v in dev.items()}
                 # as a build does it (memlm.engine.build): the evidence, the calibrator at
                 # the evidence's temperature, the decision
-                choice = ConstantChoice(params, "tuned", int(use.sum()), 0, None, None)
+                choice = choose_constant(rows, grid, default, min_tokens=MIN_TUNE_TOKENS)
                 fitted = fit_evidence(rows, choice, grid)
-                cal_params = replace(params, temperature=float(fitted[1]["temperature"]))
+                cal_params = replace(choice.params, temperature=float(fitted[1]["temperature"]))
                 trained = retrain(rows, cal_params, root, version, min_tokens=min_tokens)
                 record = choose(rows, choice, grid, root, version, evidence=True, fitted=fitted)
                 served.load_for(root, version)
@@ -104,6 +106,7 @@ def served_stream(
                         "day": int(day),
                         "version": version,
                         "lambda_source": served.served.lambda_source,
+                        "constant": choice.to_json(),
                         "calibrator_trained": trained.get("trained"),
                         "calibrator_reason": trained.get("reason"),
                         "k": served.served.params.k,
