@@ -71,9 +71,11 @@ def test_the_served_combination_takes_the_max_per_token() -> None:
     rows = {k: np.concatenate([near[k], far[k]]) for k in near}
     params = KnnParams(k=K, temperature=2.0, lmbda=0.05)
     cal = constant_calibrator(0.3)
-    served = ServedInterpolation(params, calibrator=cal, use_calibrator=True, evidence=PRIOR)
+    served = ServedInterpolation(
+        params, calibrator=cal, use_calibrator=True, evidence=PRIOR, calibrator_temperature=5.0
+    )
     assert served.lambda_source == "combined" and served.uses_calibrator
-    got = served.lambdas_of(
+    got, temps = served.mix_of(
         rows["top_logprob"],
         rows["entropy"],
         rows["lexical"],
@@ -85,6 +87,8 @@ def test_the_served_combination_takes_the_max_per_token() -> None:
     ev = PRIOR.lambdas(rows["distances"], rows["values"], rows["qnorm"], 2.0, rows["context"])
     assert (ev[:4] > 0.9).all() and (ev[4:] < 0.01).all()
     np.testing.assert_allclose(got, np.maximum(ev, 0.3))
+    # each token mixes p_kNN at the T of the source whose lambda it took
+    np.testing.assert_array_equal(temps, [2.0] * 4 + [5.0] * 4)
     # without the calibrator's part the evidence alone answers
     alone = ServedInterpolation(params, calibrator=cal, use_calibrator=False, evidence=PRIOR)
     assert alone.lambda_source == "evidence"
@@ -102,18 +106,29 @@ def test_the_served_combination_takes_the_max_per_token() -> None:
     )
 
 
-def test_view_nlls_score_the_max_with_the_evidence_temperature() -> None:
-    rows = _rows(50, 0.4, True, 3)
+def test_view_nlls_mix_each_source_at_its_own_temperature() -> None:
+    """Near tokens keep the evidence's lambda and T 1, far ones take the calibrator's 0.3
+    and its T 4: the combination's NLL mixes p_kNN per token at the deciding source's T."""
+    near, far = _rows(30, 0.02, True, 3), _rows(30, 0.5, True, 4)
+    rows = {k: np.concatenate([near[k], far[k]]) for k in near}
+    rows["values"][:, 5:] = 9  # half the neighbours disagree: p_kNN depends on T
     cal = constant_calibrator(0.3)
-    got = view_nlls(rows, PRIOR, cal, K, 2.0)
+    got = view_nlls(rows, PRIOR, cal, K, 1.0, 4.0)
     d, v = rows["distances"], rows["values"]
-    knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, rows["gold"][:, None], 2.0)[:, 0]
-    ev = PRIOR.lambdas(d, v, rows["qnorm"], 2.0, rows["context"])
-    lm, has = rows["target_lm_logprob"], np.ones(50, bool)
-    assert got["tokens"] == 50
-    assert got["evidence_nll"] == pytest.approx(-interpolate(lm, knn, ev, has).mean())
-    want = -interpolate(lm, knn, np.maximum(ev, 0.3), has).mean()
+    ids = np.where(v >= 0, 0, -1)
+    ev = PRIOR.lambdas(d, v, rows["qnorm"], 1.0, rows["context"])
+    assert (ev[:30] > 0.3).all() and (ev[30:] < 0.3).all()
+    t = np.where(np.arange(60) < 30, 1.0, 4.0)
+    knn_t = knn_logprob(d, ids, v, rows["gold"][:, None], t)[:, 0]
+    knn_1 = knn_logprob(d, ids, v, rows["gold"][:, None], 1.0)[:, 0]
+    lm, has = rows["target_lm_logprob"], np.ones(60, bool)
+    assert got["tokens"] == 60
+    assert got["evidence_nll"] == pytest.approx(-interpolate(lm, knn_1, ev, has).mean())
+    want = -interpolate(lm, knn_t, np.maximum(ev, 0.3), has).mean()
     assert got["combined_nll"] == pytest.approx(want)
+    # one T for both (the evidence's) gives another number: the per-source T is used
+    one_t = -interpolate(lm, knn_1, np.maximum(ev, 0.3), has).mean()
+    assert abs(one_t - want) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -136,7 +151,7 @@ def test_the_combination_serves_only_where_it_wins_in_each_view(
     rows = _with_seen(held, seen)
     val = np.zeros(400, bool)
     val[::2] = True
-    got = decide(rows, val, PRIOR, constant_calibrator(0.3), K, 2.0)
+    got = decide(rows, val, PRIOR, constant_calibrator(0.3), K, 2.0, 2.0)
     assert got["serve"] is serve
     assert got["views"]["held-out"]["tokens"] == got["views"]["seen"]["tokens"] == 200
     h, s = got["views"]["held-out"], got["views"]["seen"]
@@ -153,9 +168,9 @@ def test_the_combination_serves_only_where_it_wins_in_each_view(
 def test_no_seen_view_or_no_calibrator_keeps_the_evidence() -> None:
     held = _rows(200, 0.4, True, 6)
     val = np.ones(200, bool)
-    got = decide(held, val, PRIOR, constant_calibrator(0.3), K, 2.0)
+    got = decide(held, val, PRIOR, constant_calibrator(0.3), K, 2.0, 2.0)
     assert (got["serve"], got["reason"]) == (False, "no validation token has a seen view")
-    assert decide(_with_seen(held, held), val, PRIOR, None, K, 2.0)["serve"] is False
+    assert decide(_with_seen(held, held), val, PRIOR, None, K, 2.0, 2.0)["serve"] is False
 
 
 def test_a_tie_in_one_view_serves_only_with_a_gain_in_the_other() -> None:
@@ -163,10 +178,10 @@ def test_a_tie_in_one_view_serves_only_with_a_gain_in_the_other() -> None:
     that view ties; the held-out gain decides.  A tie in every view keeps the evidence."""
     held, exact = _rows(200, 0.4, True, 7), _rows(200, 0.0, True, 8)
     val = np.ones(200, bool)
-    got = decide(_with_seen(held, exact), val, PRIOR, constant_calibrator(0.3), K, 2.0)
+    got = decide(_with_seen(held, exact), val, PRIOR, constant_calibrator(0.3), K, 2.0, 2.0)
     s = got["views"]["seen"]
     assert s["combined_nll"] == s["evidence_nll"] and got["serve"] is True
-    tie = decide(_with_seen(exact, exact), val, PRIOR, constant_calibrator(0.3), K, 2.0)
+    tie = decide(_with_seen(exact, exact), val, PRIOR, constant_calibrator(0.3), K, 2.0, 2.0)
     assert tie["serve"] is False
 
 
@@ -194,6 +209,8 @@ def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
     served.load_for(root, 1)
     s = served.served
     assert s.lambda_source == "combined" and served.calibrator is not None
+    assert s.calibrator_temperature == rec["evidence"]["combined"]["calibrator_temperature"]
+    assert s.calibrator_temperature == params.temperature  # trained at the constant's T
     assert (s.params.k, s.params.temperature) == (K, rec["evidence"]["temperature"])
     r = _rows(6, 0.5, True, 11)
     lam = s.lambdas_of(

@@ -17,12 +17,14 @@ what protects fresh recall, and a mean over the two views would let a gain on on
 loss on the other.  (A tie is expected in the seen view: where the evidence gives an exact
 match 0.99 the max is the evidence's, so the view changes only where the calibrator adds.)
 
-Temperature: one p_kNN per token, at the evidence's (k, T) (the served params), because a
-max of two lambdas weighting two different p_kNN distributions has no meaning.  The
-calibrator's lambda is read from its features, which do not depend on T; it was trained
-against p_kNN at the constant's T, and when that T differs from the evidence's the
-validation above measures the combination at the evidence's T and keeps the evidence if
-the calibrator's lambdas do not carry over.
+Temperature: each source keeps the T it was fitted at.  The evidence is fitted (on both
+views) at its own T, which the seen view pulls low (an exact own entry wants a sharp p_kNN;
+T 1 on the news slice); the calibrator is trained on held-out tokens at the constant's T
+(T 2 there), where held-out text wants a flatter p_kNN.  A token whose served lambda is the
+evidence's mixes p_kNN at the evidence's T, one whose lambda is the calibrator's at the
+calibrator's T: the pair (lambda, T) of the source that decides.  (Mixing one p_kNN at the
+evidence's T, the calibrator trained there too, gained almost nothing on held-out news:
+docs/results/slice20-served/NOTES.md.)  k is the evidence's for both.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def combine(evidence: np.ndarray, calibrator: np.ndarray) -> np.ndarray:
     """(m,) lambda per token: the larger of the evidence's and the calibrator's."""
     assert evidence.shape == calibrator.shape
     return np.maximum(evidence, calibrator)
+
+
+def from_calibrator(evidence: np.ndarray, calibrator: np.ndarray) -> np.ndarray:
+    """(m,) bool: the tokens whose served lambda is the calibrator's (strictly larger)."""
+    return calibrator > evidence
 
 
 def calibrator_lambdas(
@@ -80,9 +87,12 @@ def view_nlls(
     calibrator: Calibrator,
     k: int,
     temperature: float,
+    cal_temperature: float,
 ) -> dict[str, Any]:
     """Mean NLL of the evidence alone and of the combination on ``rows`` (one view), over
-    the tokens with a query norm and a neighbour (the others keep the LM under both)."""
+    the tokens with a query norm and a neighbour (the others keep the LM under both).
+    ``temperature``: the evidence's T; ``cal_temperature``: the calibrator's, used where
+    its lambda is the larger."""
     k = min(k, rows["values"].shape[1])
     q = rows.get("qnorm", np.full(len(rows["gold"]), np.nan))
     use = np.isfinite(q) & (rows["values"][:, 0] >= 0)
@@ -107,7 +117,11 @@ def view_nlls(
     lm = rows["target_lm_logprob"][use].astype(np.float64)
     has = np.ones(n, bool)
     ev = -interpolate(lm, knn, lam_ev, has)
-    comb = -interpolate(lm, knn, combine(lam_ev, lam_cal), has)
+    temps = np.where(from_calibrator(lam_ev, lam_cal), cal_temperature, temperature)
+    knn_mix = knn_logprob(
+        d[:, :k], np.where(v[:, :k] >= 0, 0, -1), v[:, :k], rows["gold"][use, None], temps
+    )[:, 0]
+    comb = -interpolate(lm, knn_mix, combine(lam_ev, lam_cal), has)
     return {"tokens": n, "evidence_nll": float(ev.mean()), "combined_nll": float(comb.mean())}
 
 
@@ -118,17 +132,20 @@ def decide(
     calibrator: Calibrator | None,
     k: int,
     temperature: float,
+    cal_temperature: float,
 ) -> dict[str, Any]:
     """Whether the combination serves: its NLL is no higher than the evidence's in every
     view of the validation rows ``val`` and lower in one (a seen view with tokens is
-    required).  Returns the
-    record saved with the build's choice (``serve`` and the per-view NLLs)."""
+    required).  ``temperature``: the evidence's T, ``cal_temperature``: the calibrator's.
+    Returns the record saved with the build's choice (``serve``, the two T and the
+    per-view NLLs)."""
     if calibrator is None or not rows or not val.any():
         why = "no calibrator" if calibrator is None else "no validation tokens"
         return {"serve": False, "reason": why, "views": {}}
     part = {k_: v[val] for k_, v in rows.items() if len(v) == len(val)}
     per = {
-        name: view_nlls(view(part, name), evidence, calibrator, k, temperature) for name in VIEWS
+        name: view_nlls(view(part, name), evidence, calibrator, k, temperature, cal_temperature)
+        for name in VIEWS
     }
     # never worse in a view, better in at least one: a view where the evidence's lambda is
     # the max on every token (exact matches at 0.99) ties, and a tie alone decides nothing
@@ -146,5 +163,6 @@ def decide(
         "reason": reason,
         "k": k,
         "temperature": temperature,
+        "calibrator_temperature": cal_temperature,
         "views": per,
     }

@@ -115,8 +115,7 @@ def choose(
     the constant chosen, and the calibrator instead if it beat it on validation tokens;
     with ``evidence``, the evidence model, and the combination with the calibrator
     (memlm.calibrator.combined) where it beat the evidence alone in both views.  ``fitted``:
-    the evidence already fitted on these rows (:func:`fit_evidence`), e.g. because the
-    calibrator was trained at its temperature."""
+    the evidence already fitted on these rows (:func:`fit_evidence`)."""
     from memlm.calibrator.constant import save_choice
 
     compared = compare(rows, choice.params, index_root, version)
@@ -137,6 +136,7 @@ def choose(
             None if found is None else found[1],
             int(ev_record["k"]),
             float(ev_record["temperature"]),
+            choice.params.temperature,  # the calibrator was trained at the constant's T
         )
         source = "combined" if ev_record["combined"]["serve"] else "evidence"
     record = {
@@ -161,11 +161,7 @@ def fit_evidence(
     rows: dict[str, np.ndarray], choice: ConstantChoice, grid: TuneGrid
 ) -> tuple[Any, dict[str, Any]]:
     """The evidence model of a build, fitted on the held-out tokens outside the
-    calibrator's validation split (memlm.calibrator.evidence.choose), and its record.
-
-    A build fits it before training the calibrator: the calibrator learns its lambdas for
-    p_kNN at the evidence's temperature, the one T the combination serves with
-    (memlm.calibrator.combined)."""
+    calibrator's validation split (memlm.calibrator.evidence.choose), and its record."""
     from memlm.calibrator.evidence import PRIOR
 
     k = choice.params.k

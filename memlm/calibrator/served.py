@@ -18,7 +18,7 @@ import numpy as np
 
 from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator import retrain as build_time
-from memlm.calibrator.combined import calibrator_lambdas, combine
+from memlm.calibrator.combined import calibrator_lambdas, combine, from_calibrator
 from memlm.calibrator.evidence import PRIOR, EvidenceModel
 from memlm.calibrator.features import token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
@@ -54,6 +54,9 @@ class ServedInterpolation:
     theta: float = 0.0
     lexical: LexicalStats | None = None  # what the calibrator's lexical features read
     evidence: EvidenceModel | None = None
+    # the T the calibrator was trained at (the constant's at its build): in the combination
+    # a token whose lambda is the calibrator's mixes p_kNN at this T (None: params')
+    calibrator_temperature: float | None = None
 
     @property
     def lambda_source(self) -> str:
@@ -92,6 +95,23 @@ class ServedInterpolation:
         lex = self.lexical.features(prev_tokens)
         return calibrator_lambdas(self.calibrator, top_logprob, entropy, lex, distances, values)
 
+    def token_mix(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda and (m,) kNN temperature of each token before the gate
+        (:meth:`mix_of`), the lexical features read from the served statistics."""
+        lex = None
+        if self.uses_calibrator and self.lexical is not None:
+            lex = self.lexical.features(prev_tokens)
+        return self.mix_of(top_logprob, entropy, lex, distances, values, qnorm, context)
+
     def token_lambdas(
         self,
         top_logprob: np.ndarray,
@@ -102,12 +122,51 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token before the gate (:meth:`lambdas_of`), the lexical
-        features read from the served statistics at ``prev_tokens``."""
-        lex = None
-        if self.uses_calibrator and self.lexical is not None:
-            lex = self.lexical.features(prev_tokens)
-        return self.lambdas_of(top_logprob, entropy, lex, distances, values, qnorm, context)
+        """(m,) lambda of each token before the gate (:meth:`token_mix`)."""
+        return self.token_mix(top_logprob, entropy, prev_tokens, distances, values, qnorm, context)[
+            0
+        ]
+
+    def mix_of(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        lexical: np.ndarray | None,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda and (m,) kNN temperature of each token before the gate.
+
+        Lambda: the combination's (the larger of the evidence's and the calibrator's), the
+        calibrator's, the evidence's or the constant.  T: ``params.temperature``, except
+        where the combination takes the calibrator's lambda: there the T it was trained
+        at, so each source mixes p_kNN as it was fitted (memlm.calibrator.combined).
+        distances, values: (m, >= params.k, and >= 10 where the calibrator takes part)
+        search results sorted by distance; qnorm: (m,) squared norm of each query key;
+        context: (m,) tokens of context before each predicted token (None: long);
+        lexical: (m, 2) the lexical features (None: the calibrator cannot be asked, the
+        evidence or the constant answers)."""
+        k = self.params.k
+        temps = np.full(len(top_logprob), float(self.params.temperature))
+        ev = None
+        if self.evidence is not None:
+            ev = self.evidence.lambdas(
+                distances[:, :k], values[:, :k], qnorm, self.params.temperature, context
+            )
+        if self.uses_calibrator and lexical is not None:
+            assert self.calibrator is not None
+            cal = calibrator_lambdas(
+                self.calibrator, top_logprob, entropy, lexical, distances, values
+            )
+            if ev is None:
+                return cal, temps
+            t_cal = self.calibrator_temperature or self.params.temperature
+            return combine(ev, cal), np.where(from_calibrator(ev, cal), t_cal, temps)
+        if ev is not None:
+            return ev, temps
+        return np.full(len(top_logprob), self.params.lmbda), temps
 
     def lambdas_of(
         self,
@@ -119,27 +178,24 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token before the gate: the combination, the calibrator's,
-        the evidence's or the constant.  distances, values: (m, >= params.k, and >= 10
-        where the calibrator takes part) search results sorted by distance; qnorm: (m,)
-        squared norm of each query key; context: (m,) tokens of context before each
-        predicted token (None: long); lexical: (m, 2) the lexical features (None: the
-        calibrator cannot be asked, the evidence or the constant answers)."""
-        k = self.params.k
-        ev = None
-        if self.evidence is not None:
-            ev = self.evidence.lambdas(
-                distances[:, :k], values[:, :k], qnorm, self.params.temperature, context
-            )
-        if self.uses_calibrator and lexical is not None:
-            assert self.calibrator is not None
-            cal = calibrator_lambdas(
-                self.calibrator, top_logprob, entropy, lexical, distances, values
-            )
-            return cal if ev is None else combine(ev, cal)
-        if ev is not None:
-            return ev
-        return np.full(len(top_logprob), self.params.lmbda)
+        """(m,) lambda of each token before the gate (:meth:`mix_of`)."""
+        return self.mix_of(top_logprob, entropy, lexical, distances, values, qnorm, context)[0]
+
+    def mix(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda (0 where the gate skips the search) and (m,) T of each token."""
+        lam, temps = self.token_mix(
+            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
+        )
+        return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0), temps
 
     def lambdas(
         self,
@@ -151,12 +207,8 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token (:meth:`token_lambdas`), 0 where the gate skips the
-        search."""
-        lam = self.token_lambdas(
-            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
-        )
-        return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0)
+        """(m,) lambda of each token (:meth:`mix`)."""
+        return self.mix(top_logprob, entropy, prev_tokens, distances, values, qnorm, context)[0]
 
     def to_json(self) -> dict[str, Any]:
         """What /admin/stats shows: the served constant, where it came from, lambda's source."""
@@ -370,10 +422,13 @@ class ServedCalibration:
             model = PRIOR if ev is None else ev[1]
             if ev is not None:  # k and T the evidence was fitted with (memlm.calibrator.combined)
                 params = replace(params, k=int(ev[2]["k"]), temperature=float(ev[2]["temperature"]))
+        combined = ((record.get("evidence") or {}).get("combined")) or {}
+        cal_t = combined.get("calibrator_temperature", record.get("temperature"))
         self.served = ServedInterpolation(
             params=params,
             version=version,
             record=record,
+            calibrator_temperature=None if cal_t is None else float(cal_t),
             calibrator=cal,
             calibrator_version=cal_v,
             use_calibrator=use,
@@ -402,42 +457,16 @@ class ServedCalibration:
         """:func:`memlm.calibrator.retrain.compare` on the tokens merged so far."""
         return build_time.compare(self.training_rows(), params, index_root, version)
 
-    def fit_evidence(
-        self, choice: ConstantChoice, grid: TuneGrid
-    ) -> tuple[EvidenceModel, dict[str, Any]] | None:
-        """:func:`memlm.calibrator.retrain.fit_evidence` on the tokens merged so far (None
-        when the settings fix lambda)."""
-        if not self.use_evidence:
-            return None
-        return build_time.fit_evidence(self.training_rows(), choice, grid)
-
-    def calibrator_params(
-        self, choice: ConstantChoice, fitted: tuple[EvidenceModel, dict[str, Any]] | None
-    ) -> KnnParams:
-        """k, T, lambda the calibrator trains with: the constant's, at the evidence's T when
-        the evidence serves (the combination mixes one p_kNN, memlm.calibrator.combined)."""
-        if fitted is None:
-            return choice.params
-        return replace(choice.params, temperature=float(fitted[1]["temperature"]))
-
     def choose(
         self,
         choice: ConstantChoice,
         grid: TuneGrid,
         index_root: Path,
         version: int,
-        *,
-        fitted: tuple[EvidenceModel, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """:func:`memlm.calibrator.retrain.choose` on the tokens merged so far."""
         return build_time.choose(
-            self.training_rows(),
-            choice,
-            grid,
-            index_root,
-            version,
-            evidence=self.use_evidence,
-            fitted=fitted,
+            self.training_rows(), choice, grid, index_root, version, evidence=self.use_evidence
         )
 
     # --- the training set (:class:`HeldoutSet`) -------------------------------------------

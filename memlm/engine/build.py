@@ -110,17 +110,12 @@ class BuildMixin(EngineCore):
                 # again, and add_heldout drops the rows of documents it already holds.
                 self.heldout.remove(pending.paths)
             choice = self.calibration.choose_constant(self.grid, min_tokens=self.tune_min_tokens)
-            # the evidence first: the calibrator trains at its temperature
-            fitted = self.calibration.fit_evidence(choice, self.grid)
             if cfg.enabled:
                 report = self.calibration.retrain(
-                    self.calibration.calibrator_params(choice, fitted),
-                    index_root,
-                    version,
-                    min_tokens=cfg.min_tokens,
+                    choice.params, index_root, version, min_tokens=cfg.min_tokens
                 )
                 report = {"merged_tokens": merged, **report}
-            record = self.calibration.choose(choice, self.grid, index_root, version, fitted=fitted)
+            record = self.calibration.choose(choice, self.grid, index_root, version)
         except Exception:  # the index is built and good: serve it with the older choice
             log.exception("choosing the interpolation of index version %d failed", version)
             reason = "training failed (details in the worker log)"

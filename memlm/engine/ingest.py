@@ -55,7 +55,7 @@ class IngestMixin(EngineCore):
         token_ids, out = self._encode(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
-            scores, _, (dist, _, vals) = self._scores(out, served)
+            scores, _, _, (dist, _, vals) = self._scores(out, served)
             search = (dist, vals)
         else:
             nan = np.full(len(out), np.nan)

@@ -3,10 +3,10 @@
 Each evening d the dev tokens of the days <= d play the service's held-out training set
 (each recorded against its evening's memory, as the ingest worker records them), and the
 build's own functions run on them in a scratch index root, in the build's order:
-:func:`fit_evidence` fits the evidence, :func:`retrain` trains the calibrator at the
-evidence's temperature (warm start from the evening before, nothing below ``min_tokens``),
-and :func:`choose` decides whether the combination (memlm.calibrator.combined) beats the
-evidence alone in both views.  The test tokens of day
+:func:`retrain` trains the calibrator at the constant's k and T (warm start from the
+evening before, nothing below ``min_tokens``), and :func:`choose` fits the evidence and
+decides whether the combination (memlm.calibrator.combined) beats the evidence alone in
+both views.  The test tokens of day
 d are then scored by the :class:`ServedInterpolation` that :class:`ServedCalibration` loads
 for that version, as ``/score`` would answer them.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,12 @@ import numpy as np
 
 from memlm.calibrator import ServedCalibration
 from memlm.calibrator.constant import MIN_TUNE_TOKENS, TuneGrid, choose_constant
-from memlm.calibrator.features import TOP_N, gold_knn_logprob
-from memlm.calibrator.retrain import choose, fit_evidence, retrain
+from memlm.calibrator.features import TOP_N
+from memlm.calibrator.retrain import choose, retrain
 from memlm.engine.ingest import seen_view
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.plan import DayPlan, day_number
-from memlm.knnlm import KnnParams, interpolate
+from memlm.knnlm import KnnParams, interpolate, knn_logprob
 
 
 def with_seen_view(
@@ -93,13 +92,11 @@ def served_stream(
             if use.any() and version != int(dev["day"][use].max()):
                 version = int(dev["day"][use].max())
                 rows = {k: v[use] for k, v in dev.items()}
-                # as a build does it (memlm.engine.build): the evidence, the calibrator at
-                # the evidence's temperature, the decision
+                # as a build does it (memlm.engine.build): the constant, the calibrator at
+                # its k and T, the evidence and the decision
                 choice = choose_constant(rows, grid, default, min_tokens=MIN_TUNE_TOKENS)
-                fitted = fit_evidence(rows, choice, grid)
-                cal_params = replace(choice.params, temperature=float(fitted[1]["temperature"]))
-                trained = retrain(rows, cal_params, root, version, min_tokens=min_tokens)
-                record = choose(rows, choice, grid, root, version, evidence=True, fitted=fitted)
+                trained = retrain(rows, choice.params, root, version, min_tokens=min_tokens)
+                record = choose(rows, choice, grid, root, version, evidence=True)
                 served.load_for(root, version)
                 records.append(
                     {
@@ -121,7 +118,7 @@ def served_stream(
             rows_t = np.flatnonzero(test["day"] == day)
             part = {k: v[rows_t] for k, v in test.items() if len(v) == n}
             width = max(s.params.k, TOP_N)
-            got = s.lambdas_of(
+            got, temps = s.mix_of(
                 part["top_logprob"],
                 part["entropy"],
                 part["lexical"],
@@ -131,7 +128,8 @@ def served_stream(
                 part.get("context"),
             )
             has = part["values"][:, 0] >= 0
-            knn = gold_knn_logprob(part, s.params)
+            d, v = part["distances"][:, : s.params.k], part["values"][:, : s.params.k]
+            knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, part["gold"][:, None], temps)[:, 0]
             lp[rows_t] = interpolate(part["target_lm_logprob"].astype(np.float64), knn, got, has)
             lam[rows_t] = np.where(has, got, 0.0)
     return lp, lam, records
