@@ -304,3 +304,15 @@ def test_the_engine_serves_what_its_build_chose_after_a_build(
     )
     assert cal is not None and float(cal[0]) != pytest.approx(float(ev[0]), rel=1e-3)
     assert pred.lam == pytest.approx(max(float(ev[0]), float(cal[0])), rel=1e-4)
+    # /score: each token at the lambda and T of the source that decides it
+    text = NEWS[1].replace("the", "a")
+    sc = eng.score(text)
+    _, o = eng._encode(text)
+    d, _, v = eng.memory.search(o.keys, 10)
+    q = (o.keys.astype(np.float64) ** 2).sum(axis=1)
+    lam, temps = served.mix(o.top_logprob, o.entropy, o.prev_tokens, d, v, q, o.positions)
+    assert set(np.unique(temps)) == {served.params.temperature, served.calibrator_temperature}
+    dk, vk = d[:, :8], v[:, :8]
+    knn = knn_logprob(dk, np.where(vk >= 0, 0, -1), vk, o.targets[:, None], temps)[:, 0]
+    want = interpolate(o.target_logprob.astype(np.float64), knn, lam, vk[:, 0] >= 0)
+    np.testing.assert_allclose(sc.logprobs, want, rtol=1e-6)
