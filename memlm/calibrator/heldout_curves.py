@@ -49,7 +49,7 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
             rows.get("context"),
         )
         lam = np.where(np.isfinite(q), ev, params.lmbda)
-    cal = served.calibrator if served.uses_calibrator else None
+    cal = served.calibrator if served.lambda_source in ("calibrator", "combined") else None
     gate = served.gate if served.theta > 0 else None
     if cal is not None or gate is not None:
         width = max(k, TOP_N)
