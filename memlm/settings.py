@@ -88,10 +88,12 @@ class Settings(BaseSettings):
     calibrator_sample: float = Field(default=0.05, ge=0.0, le=1.0)
     # At most this many recorded tokens a day (~560 bytes each at k = 64).
     calibrator_day_tokens: int = Field(default=2048, ge=1)
-    # A rebuild trains only once the training set holds this many held-out tokens (4 days
-    # at the daily cap): a calibrator trained on the first few articles learns only that
-    # a memory of a few articles does not help, and then ignores close neighbours too.
-    calibrator_min_tokens: int = Field(default=8192, ge=1)
+    # A rebuild trains only once the training set holds this many held-out tokens (half a
+    # day at the daily cap). A calibrator trained on a few articles learns that a small
+    # memory does not help; it serves only joined to the evidence (max of the two), where
+    # that beats the evidence alone in both views (memlm.calibrator.combined), so it cannot
+    # switch close neighbours off. 1,024 against 8,192: docs/results/slice20-served.
+    calibrator_min_tokens: int = Field(default=1024, ge=1)
     # The training set keeps the newest this many tokens (oldest days leave first), so it
     # and each retrain stay bounded on a long stream (64 days at the daily cap).
     calibrator_max_tokens: int = Field(default=131_072, ge=1)

@@ -172,11 +172,13 @@ def test_reads_on_a_fixed_memory_equal_one_thread_exactly(tmp_path, encoder):
 
 
 def test_answers_while_the_evidence_model_swaps_come_from_one_model(tmp_path, encoder):
-    """The served interpolation (the evidence model of a version) is swapped whole while
-    threads predict and score: every answer equals the single-threaded answer under one of
-    the two models, never a mix (each call reads ``served`` once)."""
+    """The served interpolation (the evidence model of a version, or the combination with a
+    calibrator) is swapped whole while threads predict and score: every answer equals the
+    single-threaded answer under one of the two, never a mix (each call reads ``served``
+    once)."""
     from dataclasses import replace
 
+    from memlm.calibrator import Calibrator, CalibratorConfig
     from memlm.calibrator.evidence import PRIOR
 
     eng = Engine.open(
@@ -192,11 +194,19 @@ def test_answers_while_the_evidence_model_swaps_come_from_one_model(tmp_path, en
         eng.process_document(i, t, 19000)
     first = eng.calibration.served
     assert first.lambda_source == "evidence"
+    # the other version serves the combination: max(evidence, a calibrator's lambda)
+    cal = Calibrator(
+        CalibratorConfig(init_lambda=0.4, init_from_constant=False),
+        {"conf": 1, "entropy": 1, "log_freq": 1, "log_succ": 1, "knn_dist": 10, "knn_distinct": 10},
+    )
     second = replace(
         first,
         params=replace(first.params, temperature=3.0),
         evidence=replace(PRIOR, bias=1.0, w_dist=-8.0, w_short=0.0),
+        calibrator=cal,
+        use_calibrator=True,
     )
+    assert second.lambda_source == "combined"
     # the memorised texts' own prefixes (near matches) and unseen text (far ones)
     queries = [t[: len(t) // 2] for t in texts[:4]] + _texts(2, seed=6)
     want: dict[int, tuple[dict[str, list[float]], dict[str, list[float]]]] = {}

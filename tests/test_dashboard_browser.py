@@ -308,7 +308,7 @@ def test_charts_show_the_stream_and_follow_it(
             assert rows == 1
             row = page.text("#builds-table tbody tr")
             assert f"v{build.version}" in row and f"{build.entries:,}" in row
-            assert "fewer than the 8192 training needs" in row
+            assert f"fewer than the {settings.calibrator_min_tokens} training needs" in row
             assert page.drawn("chart-builds")
             assert "the constant" in page.text("#calibrator")
 

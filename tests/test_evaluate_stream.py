@@ -3,6 +3,7 @@
 import datetime as dt
 import gc
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -175,13 +176,13 @@ def test_name_tokens_are_capitalised_words_inside_sentences(enc):
 # --- the whole run: resume, report ---------------------------------------------------------
 
 
-def _stream(days: int = 4, per_day: int = 6) -> list[Document]:
+def _stream(days: int = 4, per_day: int = 6, words: int = 30) -> list[Document]:
     rng = np.random.default_rng(5)
     docs = []
     for d in range(days):
         day = dt.date(2021, 1, 30) + dt.timedelta(d)  # crosses a month's end
         for i in range(per_day):
-            docs.append(_doc(f"d{d}-{i}", "Mr. Obama met " + _text(rng, 30), day))
+            docs.append(_doc(f"d{d}-{i}", "Mr. Obama met " + _text(rng, words), day))
     return docs
 
 
@@ -652,3 +653,77 @@ def test_out_of_domain_with_the_evidence_lambda(tmp_path, enc, monkeypatch):
     assert "| policy | corpus | bare ppl | constant lambda | evidence |" in md
     o = report["ood"]["fullmem"]["kjv"]
     assert f"| {o['ppl_evidence']:.2f} ({o['evidence_vs_bare']:+.2%}), mean lambda" in md
+
+
+def test_the_served_lambda_is_what_each_evenings_build_serves(tmp_path, enc, monkeypatch):
+    """--lambda served: each evening the build's own retrain and choose run on the dev tokens
+    so far (with their seen view); a day that serves the evidence scores its test tokens with
+    that evening's evidence model exactly, a day that serves the combination with the max
+    of the evidence's and the calibrator's lambda (never below the evidence's)."""
+    import memlm.evaluate.harness
+    from memlm.calibrator.evidence import EvidenceModel
+    from memlm.evaluate.plan import day_number
+    from memlm.knnlm import interpolate, knn_logprob
+
+    monkeypatch.setenv("MEMLM_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(9)
+    ood = {c: [_doc(f"{c}-{i}", _text(rng, 50)) for i in range(2)] for c in ("wikipedia", "kjv")}
+    monkeypatch.setattr(memlm.evaluate.harness, "load_ood", lambda *a: ood)
+    cfg = _cfg(lambda_mode="served", ood_dir="unused", calibrator_min_tokens=1)
+    # documents long enough for two 64-token validation blocks a day
+    report = evaluate(cfg, _stream(words=120), tmp_path / "out", encoder=enc, echo=str)
+    first_day = day_number(dt.date(2021, 1, 30))
+    for name in ("fullmem", "monim", "randmem"):
+        r = report["results"][name]
+        days = r["served_days"]
+        assert [d["day"] for d in days] == [first_day + i for i in range(4)]
+        for d in days:
+            dec = d["decision"]
+            assert d["lambda_source"] == ("combined" if dec["serve"] else "evidence")
+            assert d["calibrator_trained"] is True  # min tokens 1: every evening trains
+            # the first evenings hold fewer than two 64-token validation blocks
+            if dec["views"]:
+                assert dec["views"]["seen"]["tokens"] == dec["views"]["held-out"]["tokens"] > 0
+            else:
+                assert dec["reason"] == "no validation tokens"
+        assert any(d["decision"]["views"] for d in days)
+        assert r["combined_days"] == sum(d["lambda_source"] == "combined" for d in days)
+        o = report["ood"][name]["kjv"]
+        assert o["served_vs_bare"] == pytest.approx(o["ppl_served"] / o["bare"] - 1)
+        assert "mean_served_lambda" in o and "ppl_evidence" not in o
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| policy | corpus | bare ppl | constant lambda | served |" in md
+    # the same run with a calibrator that never trains (resumed: only the report is new)
+    # serves the evidence every evening, and scores each day's test tokens with that
+    # evening's evidence model exactly (its sum of log-probs, from the test ppl so far)
+    from memlm.evaluate.checkpoint import load_eval
+
+    cfg_ev = replace(cfg, calibrator_min_tokens=10**9, resume=True)
+    alone = evaluate(cfg_ev, _stream(words=120), tmp_path / "out", encoder=enc, echo=str)
+    for name in ("fullmem", "monim", "randmem"):
+        days = alone["results"][name]["served_days"]
+        assert [d["lambda_source"] for d in days] == ["evidence"] * 4
+        assert days[0]["calibrator_reason"].endswith("fewer than the 1000000000 training needs")
+        test = load_eval(tmp_path / "out" / "work" / name, 4)[1].arrays(cfg.k_max)
+        before_n, before_sum = 0, 0.0
+        for d, row in zip(days, alone["per_day"][name], strict=True):
+            on = test["day"] == d["day"]
+            n = before_n + int(on.sum())
+            total = -n * math.log(row["test_ppl_so_far"])
+            day_sum, before_n, before_sum = total - before_sum, n, total
+            model = EvidenceModel.from_json(d["evidence_model"])
+            k, t = d["k"], d["temperature"]
+            dd, vv = test["distances"][on, :k], test["values"][on, :k]
+            lam = model.lambdas(dd, vv, test["qnorm"][on], t, test["context"][on])
+            knn = knn_logprob(dd, np.where(vv >= 0, 0, -1), vv, test["gold"][on, None], t)
+            lp = interpolate(test["target_lm_logprob"][on], knn[:, 0], lam, vv[:, 0] >= 0)
+            assert day_sum == pytest.approx(lp.sum(), rel=1e-6)
+        # the evenings that served the combination answered otherwise
+        for d_comb, a, b in zip(
+            report["results"][name]["served_days"],
+            report["per_day"][name],
+            alone["per_day"][name],
+            strict=True,
+        ):
+            if d_comb["lambda_source"] == "combined" and (test["day"] == d_comb["day"]).any():
+                assert a["test_ppl_so_far"] != b["test_ppl_so_far"]

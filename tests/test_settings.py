@@ -96,7 +96,7 @@ def test_read_token_is_checked_like_the_others() -> None:
         ("database_url", "mysql://x", "sqlite:// or postgresql"),
         ("queue_size", 0, "greater than or equal to 1"),
         ("knn_lambda", 1.5, "less than or equal to 1"),
-        ("calibrator_max_tokens", 4096, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
+        ("calibrator_max_tokens", 512, "must be at least MEMLM_CALIBRATOR_MIN_TOKENS"),
         ("delta", float("nan"), "MEMLM_DELTA: delta must be a finite number in"),
         ("delta", 2.0, "MEMLM_DELTA: delta must be a finite number in"),
         ("max_neighbours", 1001, "less than or equal to 1000"),

@@ -72,8 +72,10 @@ class InterpolationOut(BaseModel):
     )
     lambda_source: str = Field(
         description="evidence (lambda per token from the neighbours' relative distance and "
-        "agreement; the default), calibrator (when it beat the evidence on the same validation "
-        "tokens) or constant (MEMLM_KNN_LAMBDA set)"
+        "agreement; the default), combined (the larger of the evidence's and the NN "
+        "calibrator's lambda per token, where that beat the evidence alone in both views of "
+        "the same validation tokens), constant (MEMLM_KNN_LAMBDA set) or calibrator "
+        "(MEMLM_KNN_LAMBDA set and it beat the constant)"
     )
     evidence: dict[str, Any] | None = Field(
         default=None,

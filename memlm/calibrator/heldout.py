@@ -69,7 +69,7 @@ class HeldOutConfig:
     enabled: bool = False  # the engine records nothing unless the service turns it on
     share: float = 0.05  # seeded share of documents (the paper holds out ~10 articles a day)
     day_tokens: int = 2048  # per day: ~1 MB of records at k = 64 (560 bytes per token)
-    min_tokens: int = 8192  # below this the rebuild skips training (4 days at the cap)
+    min_tokens: int = 1024  # below this the rebuild skips training (MEMLM_CALIBRATOR_MIN_TOKENS)
     # the training set keeps the newest this many tokens (64 days at the cap, ~70 MB)
     max_tokens: int = 131_072
     seed: int = 0

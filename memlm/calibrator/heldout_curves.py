@@ -24,8 +24,9 @@ import numpy as np
 
 from memlm.api.dashboard import HeldOut, HeldOutDay
 from memlm.calibrator import TOP_N, gold_knn_logprob, token_features
+from memlm.calibrator.combined import combine, from_calibrator
 from memlm.calibrator.heldout import FIELDS, OPTIONAL_FIELDS
-from memlm.knnlm import has_neighbours, interpolate
+from memlm.knnlm import has_neighbours, interpolate, knn_logprob
 
 EPOCH = dt.date(1970, 1, 1)  # the engine's day numbers count from here (workers.engine)
 
@@ -37,7 +38,7 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
     valid = has_neighbours(np.where(rows["values"][:, :k] >= 0, 0, -1))
     knn = gold_knn_logprob(rows, params)
     lam: float | np.ndarray = params.lmbda
-    if served.lambda_source == "evidence":
+    if served.lambda_source in ("evidence", "combined"):
         # records from before the query norm was kept: the constant for those rows
         q = rows.get("qnorm", np.full(len(knn), np.nan))
         ev = served.evidence.lambdas(
@@ -48,7 +49,7 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
             rows.get("context"),
         )
         lam = np.where(np.isfinite(q), ev, params.lmbda)
-    cal = served.calibrator if served.lambda_source == "calibrator" else None
+    cal = served.calibrator if served.lambda_source in ("calibrator", "combined") else None
     gate = served.gate if served.theta > 0 else None
     if cal is not None or gate is not None:
         width = max(k, TOP_N)
@@ -60,7 +61,22 @@ def augmented_logprobs(rows: dict[str, np.ndarray], served: Any) -> np.ndarray:
             rows["values"][:, :width],
         )
         if cal is not None:
-            lam = cal.predict({n: feats[n] for n in cal.cfg.features})
+            lam_cal = cal.predict({n: feats[n] for n in cal.cfg.features})
+            if served.evidence is not None:
+                # combined: the larger of the two, each source at its own T
+                ev_lam = np.broadcast_to(lam, lam_cal.shape)
+                t_cal = served.calibrator_temperature or params.temperature
+                temps = np.where(from_calibrator(ev_lam, lam_cal), t_cal, params.temperature)
+                knn = knn_logprob(
+                    rows["distances"][:, :k],
+                    np.where(rows["values"][:, :k] >= 0, 0, -1),
+                    rows["values"][:, :k],
+                    rows["gold"][:, None],
+                    temps,
+                )[:, 0]
+                lam = combine(ev_lam, lam_cal)
+            else:
+                lam = lam_cal
         if gate is not None:
             searched = gate.predict({n: feats[n] for n in gate.cfg.features}) >= served.theta
             lam = np.where(searched, lam, 0.0)

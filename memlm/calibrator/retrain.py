@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memlm.calibrator import evidence as evidence_files
+from memlm.calibrator.combined import decide
 from memlm.calibrator.model import (
     CALIBRATOR_DIR,
     Calibrator,
@@ -108,26 +109,36 @@ def choose(
     version: int,
     *,
     evidence: bool = False,
+    fitted: tuple[Any, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Record what ``version`` serves (``interpolation.json`` beside it) and return it:
-    the constant chosen, and the calibrator instead if it beat it on validation tokens."""
+    the constant chosen, and the calibrator instead if it beat it on validation tokens;
+    with ``evidence``, the evidence model, and the combination with the calibrator
+    (memlm.calibrator.combined) where it beat the evidence alone in both views.  ``fitted``:
+    the evidence already fitted on these rows (:func:`fit_evidence`)."""
     from memlm.calibrator.constant import save_choice
 
     compared = compare(rows, choice.params, index_root, version)
     source = "calibrator" if compared is not None and compared["beats_constant"] else "constant"
     ev_record = None
     if evidence:
-        model, ev_record = _choose_evidence(rows, choice, grid)
+        model, ev_record = fit_evidence(rows, choice, grid) if fitted is None else fitted
+        ev_record = dict(ev_record)
         evidence_files.save(index_root, version, model, ev_record)
-        # the calibrator takes over only where it beats the evidence on the same tokens
-        cal_nll = _calibrator_both_views(rows, choice.params, index_root, version)
-        ev_nll = ev_record.get("val_nll", ev_record.get("prior_val_nll"))
-        ev_record["calibrator_val_nll"] = cal_nll
-        if ev_nll is None:  # no token to judge the evidence on: the calibrator as before
-            beats = source == "calibrator"
-        else:
-            beats = cal_nll is not None and cal_nll < ev_nll
-        source = "calibrator" if beats else "evidence"
+        # the calibrator joins (lambda = max of the two) only where the combination beats
+        # the evidence alone in both views of the same validation tokens
+        found = previous(Path(index_root), CALIBRATOR_DIR, version + 1)
+        val = validation_rows(rows, CalibratorConfig()) if rows else np.zeros(0, bool)
+        ev_record["combined"] = decide(
+            rows,
+            val,
+            model,
+            None if found is None else found[1],
+            int(ev_record["k"]),
+            float(ev_record["temperature"]),
+            choice.params.temperature,  # the calibrator was trained at the constant's T
+        )
+        source = "combined" if ev_record["combined"]["serve"] else "evidence"
     record = {
         "index_version": version,
         **choice.to_json(),
@@ -146,11 +157,11 @@ def choose(
     return record
 
 
-def _choose_evidence(
+def fit_evidence(
     rows: dict[str, np.ndarray], choice: ConstantChoice, grid: TuneGrid
 ) -> tuple[Any, dict[str, Any]]:
     """The evidence model of a build, fitted on the held-out tokens outside the
-    calibrator's validation split (memlm.calibrator.evidence.choose)."""
+    calibrator's validation split (memlm.calibrator.evidence.choose), and its record."""
     from memlm.calibrator.evidence import PRIOR
 
     k = choice.params.k
@@ -161,34 +172,6 @@ def _choose_evidence(
     return evidence_files.choose(
         rows, k, grid.temperatures, val, default_temperature=choice.params.temperature
     )
-
-
-def _calibrator_both_views(
-    rows: dict[str, np.ndarray], params: KnnParams, index_root: Path, version: int
-) -> float | None:
-    """The served calibrator's validation NLL weighted as the evidence's: held-out and
-    seen views half and half (held-out only where no seen view was recorded)."""
-    root = Path(index_root)
-    found = previous(root, CALIBRATOR_DIR, version + 1)  # the newest at or below version
-    if found is None or not rows:
-        return None
-    cal = found[1]
-    mask = validation_rows(rows, cal.cfg)
-    out = []
-    for view in ("held-out", "seen"):
-        r = rows
-        if view == "seen":
-            if "seen_values" not in rows:
-                continue
-            r = {**rows, "distances": rows["seen_distances"], "values": rows["seen_values"]}
-            has = r["values"][:, 0] >= 0
-            if not (has & mask).any():
-                continue
-        val = training_set(token_rows(r, mask), params, cal.cfg.features)
-        if len(val):
-            out.append(_finite(cal.nll(val)))
-    vals = [v for v in out if v is not None]
-    return float(np.mean(vals)) if vals else None
 
 
 def retrain(

@@ -18,6 +18,7 @@ import numpy as np
 
 from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator import retrain as build_time
+from memlm.calibrator.combined import calibrator_lambdas, combine, from_calibrator
 from memlm.calibrator.evidence import PRIOR, EvidenceModel
 from memlm.calibrator.features import token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
@@ -53,12 +54,22 @@ class ServedInterpolation:
     theta: float = 0.0
     lexical: LexicalStats | None = None  # what the calibrator's lexical features read
     evidence: EvidenceModel | None = None
+    # the T the calibrator was trained at (the constant's at its build): in the combination
+    # a token whose lambda is the calibrator's mixes p_kNN at this T (None: params')
+    calibrator_temperature: float | None = None
 
     @property
     def lambda_source(self) -> str:
+        """``combined`` (max of the evidence's and the calibrator's lambda), ``calibrator``
+        (the settings fix lambda and it beat the constant), ``evidence`` or ``constant``."""
         if self.use_calibrator and self.calibrator is not None:
-            return "calibrator"
+            return "combined" if self.evidence is not None else "calibrator"
         return "evidence" if self.evidence is not None else "constant"
+
+    @property
+    def uses_calibrator(self) -> bool:
+        """The calibrator's lambda takes part (alone or in the combination)."""
+        return self.lambda_source in ("calibrator", "combined")
 
     def gate_mask(
         self, top_logprob: np.ndarray, entropy: np.ndarray, prev_tokens: np.ndarray
@@ -77,13 +88,29 @@ class ServedInterpolation:
         distances: np.ndarray,
         values: np.ndarray,
     ) -> np.ndarray | None:
-        """(m,) lambda from the served calibrator, None when the constant is served."""
-        if self.lambda_source != "calibrator" or self.lexical is None:
+        """(m,) lambda from the served calibrator alone, None when it takes no part."""
+        if not self.uses_calibrator or self.lexical is None:
             return None
         assert self.calibrator is not None
         lex = self.lexical.features(prev_tokens)
-        feats = token_features(top_logprob, entropy, lex, distances, values)
-        return self.calibrator.predict({n: feats[n] for n in self.calibrator.cfg.features})
+        return calibrator_lambdas(self.calibrator, top_logprob, entropy, lex, distances, values)
+
+    def token_mix(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda and (m,) kNN temperature of each token before the gate
+        (:meth:`mix_of`), the lexical features read from the served statistics."""
+        lex = None
+        if self.uses_calibrator and self.lexical is not None:
+            lex = self.lexical.features(prev_tokens)
+        return self.mix_of(top_logprob, entropy, lex, distances, values, qnorm, context)
 
     def token_lambdas(
         self,
@@ -95,19 +122,80 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token before the gate: the calibrator's, the evidence's or
-        the constant.  distances, values: (m, >= params.k) search results sorted by
-        distance; qnorm: (m,) squared norm of each query key; context: (m,) tokens of
-        context before each predicted token (None: long)."""
-        cal = self.calibrated(top_logprob, entropy, prev_tokens, distances, values)
-        if cal is not None:
-            return cal
+        """(m,) lambda of each token before the gate (:meth:`token_mix`)."""
+        return self.token_mix(top_logprob, entropy, prev_tokens, distances, values, qnorm, context)[
+            0
+        ]
+
+    def mix_of(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        lexical: np.ndarray | None,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda and (m,) kNN temperature of each token before the gate.
+
+        Lambda: the combination's (the larger of the evidence's and the calibrator's), the
+        calibrator's, the evidence's or the constant.  T: ``params.temperature``, except
+        where the combination takes the calibrator's lambda: there the T it was trained
+        at, so each source mixes p_kNN as it was fitted (memlm.calibrator.combined).
+        distances, values: (m, >= params.k, and >= 10 where the calibrator takes part)
+        search results sorted by distance; qnorm: (m,) squared norm of each query key;
+        context: (m,) tokens of context before each predicted token (None: long);
+        lexical: (m, 2) the lexical features (None: the calibrator cannot be asked, the
+        evidence or the constant answers)."""
+        k = self.params.k
+        temps = np.full(len(top_logprob), float(self.params.temperature))
+        ev = None
         if self.evidence is not None:
-            k = self.params.k
-            return self.evidence.lambdas(
+            ev = self.evidence.lambdas(
                 distances[:, :k], values[:, :k], qnorm, self.params.temperature, context
             )
-        return np.full(len(top_logprob), self.params.lmbda)
+        if self.uses_calibrator and lexical is not None:
+            assert self.calibrator is not None
+            cal = calibrator_lambdas(
+                self.calibrator, top_logprob, entropy, lexical, distances, values
+            )
+            if ev is None:
+                return cal, temps
+            t_cal = self.calibrator_temperature or self.params.temperature
+            return combine(ev, cal), np.where(from_calibrator(ev, cal), t_cal, temps)
+        if ev is not None:
+            return ev, temps
+        return np.full(len(top_logprob), self.params.lmbda), temps
+
+    def lambdas_of(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        lexical: np.ndarray | None,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """(m,) lambda of each token before the gate (:meth:`mix_of`)."""
+        return self.mix_of(top_logprob, entropy, lexical, distances, values, qnorm, context)[0]
+
+    def mix(
+        self,
+        top_logprob: np.ndarray,
+        entropy: np.ndarray,
+        prev_tokens: np.ndarray,
+        distances: np.ndarray,
+        values: np.ndarray,
+        qnorm: np.ndarray,
+        context: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) lambda (0 where the gate skips the search) and (m,) T of each token."""
+        lam, temps = self.token_mix(
+            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
+        )
+        return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0), temps
 
     def lambdas(
         self,
@@ -119,12 +207,8 @@ class ServedInterpolation:
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
     ) -> np.ndarray:
-        """(m,) lambda of each token (:meth:`token_lambdas`), 0 where the gate skips the
-        search."""
-        lam = self.token_lambdas(
-            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
-        )
-        return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0)
+        """(m,) lambda of each token (:meth:`mix`)."""
+        return self.mix(top_logprob, entropy, prev_tokens, distances, values, qnorm, context)[0]
 
     def to_json(self) -> dict[str, Any]:
         """What /admin/stats shows: the served constant, where it came from, lambda's source."""
@@ -201,9 +285,9 @@ class ServedCalibration:
     # The served version's parts, read from ``served`` (one consistent snapshot).
     @property
     def calibrator(self) -> Calibrator | None:
-        """The calibrator that sets lambda now (None: the constant is served)."""
+        """The calibrator that takes part in lambda now, alone or combined (None: it does not)."""
         s = self.served
-        return s.calibrator if s.lambda_source == "calibrator" else None
+        return s.calibrator if s.uses_calibrator else None
 
     @property
     def gate(self) -> Calibrator | None:
@@ -326,22 +410,25 @@ class ServedCalibration:
                 temperature=float(record["temperature"]),
                 lmbda=float(record["lambda"]),
             )
-            # the calibrator beat the constant: only the very one it was compared with
+            # the calibrator beat the constant (or joined the evidence): only the very one
+            # it was compared with
             compared = (record.get("calibrator") or {}).get("calibrator_version")
-            use = bool(record.get("lambda_source") == "calibrator" and compared == cal_v)
+            wanted = "combined" if self.use_evidence else "calibrator"
+            use = bool(record.get("lambda_source") == wanted and compared == cal_v)
         else:  # a data directory from before the choice was recorded: as it served then
-            params, use = self.default, cal is not None
+            params, use = self.default, cal is not None and not self.use_evidence
         model = None
         if self.use_evidence:
             model = PRIOR if ev is None else ev[1]
-            if ev is not None:  # k and T the evidence was fitted with
+            if ev is not None:  # k and T the evidence was fitted with (memlm.calibrator.combined)
                 params = replace(params, k=int(ev[2]["k"]), temperature=float(ev[2]["temperature"]))
-            # the calibrator serves only where it beat the evidence on the same tokens
-            use = bool(use and record.get("lambda_source") == "calibrator")
+        combined = ((record.get("evidence") or {}).get("combined")) or {}
+        cal_t = combined.get("calibrator_temperature", record.get("temperature"))
         self.served = ServedInterpolation(
             params=params,
             version=version,
             record=record,
+            calibrator_temperature=None if cal_t is None else float(cal_t),
             calibrator=cal,
             calibrator_version=cal_v,
             use_calibrator=use,
@@ -371,7 +458,11 @@ class ServedCalibration:
         return build_time.compare(self.training_rows(), params, index_root, version)
 
     def choose(
-        self, choice: ConstantChoice, grid: TuneGrid, index_root: Path, version: int
+        self,
+        choice: ConstantChoice,
+        grid: TuneGrid,
+        index_root: Path,
+        version: int,
     ) -> dict[str, Any]:
         """:func:`memlm.calibrator.retrain.choose` on the tokens merged so far."""
         return build_time.choose(

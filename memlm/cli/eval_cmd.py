@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -19,6 +20,9 @@ class LambdaMode(StrEnum):
     constant = "constant"  # one lambda tuned on dev
     calibrated = "calibrated"  # the NN calibrator trained day by day on dev
     evidence = "evidence"  # lambda per token from the retrieval evidence, fitted on dev
+    # what the service's builds serve: the evidence, or max(evidence, calibrator) where
+    # that beats it in both views (memlm.calibrator.combined), evening by evening
+    served = "served"
 
 
 def eval_command(
@@ -100,9 +104,16 @@ def eval_command(
     lambda_mode: LambdaMode = typer.Option(
         LambdaMode.constant,
         "--lambda",
-        help="constant (tuned on dev), calibrated (NN calibrator trained day by day on dev) or "
+        help="constant (tuned on dev), calibrated (NN calibrator trained day by day on dev), "
         "evidence (lambda per token from the neighbours' distance and agreement, fitted day by "
-        "day on dev: what the service serves)",
+        "day on dev) or served (what the service's nightly builds serve: the evidence, or "
+        "max(evidence, calibrator) where that beats it in both views of the validation tokens)",
+    ),
+    calibrator_min_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        envvar="MEMLM_CALIBRATOR_MIN_TOKENS",
+        help="served only: dev tokens before the calibrator trains (default: the service's)",
     ),
     gate_theta: float = typer.Option(
         0.0, help="calibrated only: skip the search when the retrieval gate's lambda < theta"
@@ -298,6 +309,9 @@ def eval_command(
         budget=budget,
         budget_criterion=budget_criterion,
     )
+    if calibrator_min_tokens is not None:
+        cfg = dataclasses.replace(cfg, calibrator_min_tokens=calibrator_min_tokens)
+
     from memlm.encoder import Encoder, EncoderError
 
     try:

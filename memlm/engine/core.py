@@ -149,23 +149,26 @@ class EngineCore:
 
     def _scores(
         self, out: TokenOutputs, served: ServedInterpolation
-    ) -> tuple[TokenScores, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The augmented model's scores under the served interpolation, the lambda of each
-        token (0 where the gate skips the search) and the search behind them (k columns).
+    ) -> tuple[TokenScores, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The augmented model's scores under the served interpolation, the lambda and the
+        kNN temperature of each token (lambda 0 where the gate skips the search) and the
+        search behind them (k columns).
 
         The same model answers /score and decides what MoNIM stores (docs/calibrator.md).
         """
         k = served.params.k
         # the calibrator's density features describe the top 10 neighbours
-        width = max(k, TOP_N) if served.lambda_source == "calibrator" else k
+        width = max(k, TOP_N) if served.uses_calibrator else k
         dist, ids, vals = self._search_document(out, width)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
-        lam = served.lambdas(
+        lam, temps = served.mix(
             out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions
         )
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
-        scores = token_scores(self.encoder, out, dist, vals, served.params, lmbda=lam)
-        return scores, lam, (dist, ids, vals)
+        scores = token_scores(
+            self.encoder, out, dist, vals, served.params, lmbda=lam, temperature=temps
+        )
+        return scores, lam, temps, (dist, ids, vals)
 
     def _search_document(self, out: TokenOutputs, k: int) -> Neighbours:
         """The k neighbours of a document's tokens: one search, or the pointers first."""

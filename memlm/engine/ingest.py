@@ -77,7 +77,7 @@ class IngestMixin(EngineCore):
         token_ids, out = self._encoded(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
-            scores, _, (dist, ids, vals) = self._scores(out, served)
+            scores, _, _, (dist, ids, vals) = self._scores(out, served)
             search = (dist, vals)
             # usage: the search MoNIM needs anyway, counted per block of entries
             self.usage.add(ids, vals, out.targets)

@@ -158,16 +158,16 @@ class PredictMixin(EngineCore):
             dist[looked_up], eids[looked_up], vals[looked_up] = self.memory.search(
                 keys[looked_up].float().numpy(), k, depth=self.rerank_depth
             )
-        kk, temperature = served.params.k, served.params.temperature
+        kk = served.params.k
         qnorm = (keys.float() ** 2).sum(dim=1).numpy()  # (R,) the evidence's distance scale
-        lam = served.token_lambdas(top, ent, prev, dist[:, :kk], vals[:, :kk], qnorm, context)
+        lam, temps = served.token_mix(top, ent, prev, dist[:, :kk], vals[:, :kk], qnorm, context)
         valid = search & has_neighbours(eids[:, :kk])
         lam = np.where(valid, lam, 0.0)
         knn = np.zeros_like(lm)
         for r in np.flatnonzero(valid):
             d, v = dist[r, :kk], vals[r, :kk]
             ok = v >= 0
-            w = np.exp(-(d[ok] - d[ok].min()) / temperature)
+            w = np.exp(-(d[ok] - d[ok].min()) / temps[r])
             np.add.at(knn[r], v[ok], w / w.sum())
         trime = None
         if mems is not None:  # TRIME Eq. 6: the memory joins the LM softmax

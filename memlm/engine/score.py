@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from memlm.calibrator import ServedInterpolation
 from memlm.encoder import TokenOutputs
 from memlm.encoder.head import BLOCK_ROWS
 from memlm.engine.core import EngineCore
@@ -65,7 +64,7 @@ class ScoreMixin(EngineCore):
         pol = self._policy(policy)
         served = self.served  # the same interpolation scores the text and decides would_store
         out = self._encode_ids(list(ids), pol.needs_key_ce)
-        scores, lam, (dist, eids, vals) = self._scores(out, served)
+        scores, lam, temps, (dist, eids, vals) = self._scores(out, served)
         base = out.target_logprob.astype(np.float64)
         trime = None
         if memory is not None and memory.active:
@@ -83,7 +82,7 @@ class ScoreMixin(EngineCore):
         # lambda per token from the calibrator, else the constant; tokens the gate skips
         # (lambda 0) or with no neighbour keep the base distribution
         valid = has_neighbours(eids)
-        knn = knn_logprob(dist, eids, vals, out.targets[:, None], served.params.temperature)[:, 0]
+        knn = knn_logprob(dist, eids, vals, out.targets[:, None], temps)[:, 0]
         aug = interpolate(base, knn, lam, valid)
         if not pol.needs_augmented and pol.needs_key_ce:
             scores = TokenScores(scores.target_logprob, scores.max_logprob, out.key_ce)
@@ -91,7 +90,7 @@ class ScoreMixin(EngineCore):
         lm = out.target_logprob.astype(np.float64)
         tops = None
         if top:
-            tops = self._top_tokens(out, (dist, eids, vals), lam, aug, top, served)
+            tops = self._top_tokens(out, (dist, eids, vals), lam, temps, aug, top)
         found = None
         if nearest:
             found = self._nearest_all(eids, vals, dist)
@@ -115,9 +114,9 @@ class ScoreMixin(EngineCore):
         out: TokenOutputs,
         search: tuple[np.ndarray, np.ndarray, np.ndarray],
         lam: np.ndarray,
+        temps: np.ndarray,
         aug: np.ndarray,
         top: int,
-        served: ServedInterpolation,
     ) -> list[list[tuple[int, str, float]]]:
         """The ``top`` most probable tokens of (1 - lambda) p_LM + lambda p_kNN at each
         scored position, most probable first: (id, decoded alone, log-probability).
@@ -141,7 +140,7 @@ class ScoreMixin(EngineCore):
                 lm_top[s : s + BLOCK_ROWS] = torch.topk(logits, top, dim=1).indices.numpy()
         cand = np.concatenate([out.targets[:, None], lm_top, vals.astype(np.int64)], axis=1)
         cand_lm = self.encoder.logprobs_for(out.hidden, out.lse, cand).astype(np.float64)
-        knn = knn_logprob(dist, eids, vals, cand, served.params.temperature)
+        knn = knn_logprob(dist, eids, vals, cand, temps)
         cand_aug = interpolate(cand_lm, knn, lam, has_neighbours(eids))  # (n, 1 + top + k)
         cand_aug = np.where(cand == out.targets[:, None], aug[:, None], cand_aug)
         cand_aug[cand < 0] = -np.inf  # padding neighbours are no tokens

@@ -45,7 +45,7 @@ class StatsMixin(EngineCore):
         cal = served.calibrator
         meta = cal.meta if cal is not None else {}
         return {
-            "active": served.lambda_source == "calibrator",
+            "active": served.uses_calibrator,
             "index_version": served.calibrator_version,
             "trained_for": meta.get("index_version"),
             "train_tokens": meta.get("train_tokens"),

@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from memlm.calibrator.constant import TuneGrid
+from memlm.calibrator.heldout import HeldOutConfig
 from memlm.encoder import WindowConfig
 from memlm.evaluate.bootstrap import RESAMPLES
 from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
@@ -55,6 +56,8 @@ class EvalConfig:
     keep_stores: bool = False
     lambda_mode: str = "constant"  # or "calibrated": the NN calibrator (memlm.calibrator)
     gate_theta: float = 0.0  # calibrated only: skip the search when the gate's lambda < theta
+    # served only: dev tokens before the calibrator trains (MEMLM_CALIBRATOR_MIN_TOKENS)
+    calibrator_min_tokens: int = HeldOutConfig().min_tokens
     # No leakage (memlm.evaluate.dedup): drop duplicates from the stream, keep held-out
     # documents that overlap the memory out of dev and test; --no-dedup keeps the old plans
     dedup: bool = True
@@ -120,3 +123,16 @@ def consolidation_of(name: str, cfg: EvalConfig) -> ConsolidationConfig | None:
 def fixed_grid(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:
     """``grid`` with the values ``--k``, ``--temperature``, ``--lambda-value`` fix."""
     return grid.fixed(k=cfg.k, temperature=cfg.temperature, lmbda=cfg.lmbda)
+
+
+def served_grid(cfg: EvalConfig) -> tuple[TuneGrid, KnnParams]:
+    """The service's grid and default with the values --k, --temperature, --lambda-value
+    fix: what MoNIM ingests with and what ``--lambda served`` builds choose from."""
+    from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
+
+    default = KnnParams(
+        k=cfg.k or SERVED_DEFAULT.k,
+        temperature=cfg.temperature or SERVED_DEFAULT.temperature,
+        lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
+    )
+    return fixed_grid(SERVED_GRID, cfg), default

@@ -11,7 +11,7 @@ import numpy as np
 from memlm.calibrator.constant import TuneGrid, ppl, token_logprobs
 from memlm.evaluate import forgetting
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig
+from memlm.evaluate.config import EvalConfig, served_grid
 from memlm.evaluate.names import name_words, pieces_of, summarise, top1_correct
 from memlm.evaluate.plan import DayPlan
 from memlm.evaluate.records import PolicyRun
@@ -114,7 +114,7 @@ def name_tokens(
 
 
 def ood_table(
-    cfg: EvalConfig, runs: dict[str, PolicyRun], report: dict[str, Any]
+    cfg: EvalConfig, runs: dict[str, PolicyRun], report: dict[str, Any], vocab_size: int
 ) -> dict[str, Any]:
     """{policy: {corpus: {ppl_constant, ppl_calibrated, vs_bare}}} after the whole stream."""
     from memlm.calibrator import calibrate_stream
@@ -137,19 +137,21 @@ def ood_table(
             # constant tuned to 0, at the k tuned on dev; out-of-domain tokens carry days
             # after the last, so the fit is the one on all dev tokens.
             calibrated, lambdas = _evidence_ood(run, both, report["results"][name])
+        elif cfg.lambda_mode == "served":
+            calibrated, lambdas = _served_ood(cfg, run, both, report["results"][name], vocab_size)
         start = 0
         for corpus, a in run.ood.items():
             lp = token_logprobs(a, params) if params.lmbda > 0 else a["target_lm_logprob"]
             row[corpus] = {"ppl_constant": ppl(lp), "bare": bare[corpus]}
             row[corpus]["constant_vs_bare"] = row[corpus]["ppl_constant"] / bare[corpus] - 1
             if calibrated is not None:
-                mode = "evidence" if lambdas is not None else "calibrated"
+                mode = "calibrated" if lambdas is None else cfg.lambda_mode
                 c = ppl(calibrated[start : start + len(lp)])
                 row[corpus] |= {f"ppl_{mode}": c, f"{mode}_vs_bare": c / bare[corpus] - 1}
             if lambdas is not None:
                 part = slice(start, start + len(lp))
                 found = both["values"][part, 0] >= 0
-                row[corpus]["mean_evidence_lambda"] = (
+                row[corpus][f"mean_{cfg.lambda_mode}_lambda"] = (
                     float(lambdas[part][found].mean()) if found.any() else 0.0
                 )
             start += len(lp)
@@ -167,6 +169,24 @@ def _evidence_ood(
     temps = tuple(sorted({*SERVED_GRID.temperatures, result["temperature"]}))
     dev = {key: v for key, v in run.dev.items() if key != "trime"}
     lp, lam, _ = stream(dev, tokens, result["k"], temps)
+    return lp, lam
+
+
+def _served_ood(
+    cfg: EvalConfig,
+    run: PolicyRun,
+    tokens: dict[str, np.ndarray],
+    result: dict[str, Any],
+    vocab_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Out-of-domain log-probs and lambdas of ``--lambda served``: the build after the last
+    day (its tokens carry later days), from the dev tokens with their seen view."""
+    from memlm.evaluate.served import served_stream
+
+    grid, default = served_grid(cfg)
+    lp, lam, _ = served_stream(
+        run.dev, tokens, grid, default, vocab_size, min_tokens=cfg.calibrator_min_tokens
+    )
     return lp, lam
 
 

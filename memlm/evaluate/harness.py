@@ -12,12 +12,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from memlm.calibrator.constant import SERVED_DEFAULT, SERVED_GRID
 from memlm.corpus import Document
 from memlm.encoder import Encoder
 from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig, consolidation_of, fixed_grid, policy_parts
+from memlm.evaluate.config import (
+    EvalConfig,
+    consolidation_of,
+    fixed_grid,
+    policy_parts,
+    served_grid,
+)
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
 from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
@@ -27,7 +32,6 @@ from memlm.evaluate.paired import write_test_documents
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
 from memlm.evaluate.report import build_report, plots, render_markdown
 from memlm.evaluate.run import PolicyRun, run_policy
-from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 
 
@@ -98,6 +102,7 @@ _NOT_IDENTITY = {
     "encode_shard",
     "merge_from",
     "follow_encode",
+    "calibrator_min_tokens",  # read by the report only (--lambda served)
 }
 # ...and those that may differ between runs merged into one report (--merge).
 _MERGEABLE = {"policies", "rand_rate"}
@@ -275,19 +280,15 @@ def _evaluate(
             workroot / name,
             ingest_params=cfg.ingest,
             # MoNIM decides with the lambda the report scores with (the service's)
-            ingest_evidence=cfg.lambda_mode == "evidence" and cfg.ingest is None,
+            ingest_evidence=cfg.lambda_mode in ("evidence", "served") and cfg.ingest is None,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             rerank_depth=cfg.rerank_depth,
             ingest_rerank_depth=cfg.ingest_rerank_depth,
             pointers=cfg.pointers,
             trime=cfg.trime,
-            served_grid=fixed_grid(SERVED_GRID, cfg),
-            served_default=KnnParams(
-                k=cfg.k or SERVED_DEFAULT.k,
-                temperature=cfg.temperature or SERVED_DEFAULT.temperature,
-                lmbda=SERVED_DEFAULT.lmbda if cfg.lmbda is None else cfg.lmbda,
-            ),
+            served_grid=served_grid(cfg)[0],
+            served_default=served_grid(cfg)[1],
             on_day=lambda d: bar.update(d.tokens_seen),
             resume=cfg.resuming,
             rescore=rescore if name in cfg.forgetting_policies else None,
@@ -314,7 +315,7 @@ def _evaluate(
     report["leakage"] = leakage
     add_forgetting(report, runs, workroot, grid)
     if ood:
-        report["ood"] = ood_table(cfg, runs, report)
+        report["ood"] = ood_table(cfg, runs, report, cache.encoder.vocab_size)
     if cfg.names:
         report["names"] = name_tokens(cfg, plans, runs, report, cache)
     if cfg.finetune_lr is not None:  # the parametric continual-learning baseline

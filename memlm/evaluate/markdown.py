@@ -41,7 +41,7 @@ def sections(report: dict[str, Any]) -> list[str]:
         # the column of the run's own lambda mode (constant: that column stays empty)
         # (the fine-tuning section's report has no settings: calibrated, as before)
         lambda_mode = (report.get("settings") or {}).get("lambda_mode")
-        mode = "evidence" if lambda_mode == "evidence" else "calibrated"
+        mode = lambda_mode if lambda_mode in ("evidence", "served") else "calibrated"
         lines += [
             "",
             "Out of domain after the whole stream (memory of the last evening):",
@@ -55,8 +55,8 @@ def sections(report: dict[str, Any]) -> list[str]:
             for corpus, r in row.items():
                 cal = r.get(f"ppl_{mode}")
                 cal_s = "-" if cal is None else f"{cal:.2f} ({r[f'{mode}_vs_bare']:+.2%})"
-                if "mean_evidence_lambda" in r:
-                    cal_s += f", mean lambda {r['mean_evidence_lambda']:.3g}"
+                if f"mean_{mode}_lambda" in r:
+                    cal_s += f", mean lambda {r[f'mean_{mode}_lambda']:.3g}"
                 lines.append(
                     f"| {name} | {corpus} | {r['bare']:.2f} "
                     f"| {r['ppl_constant']:.2f} ({r['constant_vs_bare']:+.2%}) | {cal_s} |"

@@ -13,7 +13,7 @@ import numpy as np
 from memlm.calibrator.constant import ppl, token_logprobs, tune
 from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.config import EvalConfig, fixed_grid, served_grid
 from memlm.evaluate.markdown import extra_plots, sections
 from memlm.evaluate.paired import KEY_STRIDE, PairedScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
@@ -48,6 +48,8 @@ def build_report(
                 test_lp, calibrated = _calibrated_test(run, params, cfg)
             elif cfg.lambda_mode == "evidence":
                 test_lp, calibrated = _evidence_test(run, params)
+            elif cfg.lambda_mode == "served":
+                test_lp, calibrated = _served_test(run, params, cfg, plans, cache)
         scores.add(name, test_lp)
         constant_lps[name] = token_logprobs(run.test, params) if name != "bare" else test_lp
         results[name] = {
@@ -221,6 +223,39 @@ def _evidence_test(run: PolicyRun, params: KnnParams) -> tuple[np.ndarray, dict[
         "constant_lambda_test_ppl": ppl(token_logprobs(run.test, params)),
         "mean_evidence_lambda": float(lam[valid].mean()) if valid.any() else 0.0,
         "evidence_last_day": days[-1] if days else None,
+    }
+
+
+def _served_test(
+    run: PolicyRun,
+    params: KnnParams,
+    cfg: EvalConfig,
+    plans: Sequence[DayPlan],
+    cache: TokenCache,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Test log-probabilities under what the service's builds would serve, evening by
+    evening (memlm.evaluate.served); the dev tokens with their seen view are kept on
+    ``run`` for the out-of-domain table."""
+    from memlm.evaluate.served import served_stream, with_seen_view
+
+    run.dev = with_seen_view(run.dev, plans, cache)
+    grid, default = served_grid(cfg)
+    lp, lam, days = served_stream(
+        run.dev,
+        run.test,
+        grid,
+        default,
+        cache.encoder.vocab_size,
+        min_tokens=cfg.calibrator_min_tokens,
+    )
+    valid = has_neighbours(np.where(run.test["values"] >= 0, 0, -1))
+    sources = [d["lambda_source"] for d in days]
+    return lp, {
+        "constant_lambda_test_ppl": ppl(token_logprobs(run.test, params)),
+        "mean_served_lambda": float(lam[valid].mean()) if valid.any() else 0.0,
+        "served_days": days,
+        "served_last_day": sources[-1] if sources else None,
+        "combined_days": sources.count("combined"),
     }
 
 

@@ -54,13 +54,18 @@ class MemoryOptions:
         return self.local or self.long_segments > 0
 
 
-def neighbour_log_weights(distances: np.ndarray, ids: np.ndarray, temperature: float) -> np.ndarray:
+def neighbour_log_weights(
+    distances: np.ndarray, ids: np.ndarray, temperature: float | np.ndarray
+) -> np.ndarray:
     """Normalised log-weights log softmax(-d/T) over valid neighbours; -inf for padding.
 
-    distances, ids: (n, k); ids == -1 marks padding.  Rows with no valid neighbour are
-    all -inf.
+    distances, ids: (n, k); ids == -1 marks padding; temperature: one T, or (n,) one per
+    row (the served combination, memlm.calibrator.combined).  Rows with no valid neighbour
+    are all -inf.
     """
-    logits = np.where(ids >= 0, -distances.astype(np.float64) / temperature, -np.inf)
+    t = np.asarray(temperature, np.float64)
+    t = t[:, None] if t.ndim == 1 else t
+    logits = np.where(ids >= 0, -distances.astype(np.float64) / t, -np.inf)
     m = logits.max(axis=1, keepdims=True)
     safe_m = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -73,9 +78,10 @@ def knn_logprob(
     ids: np.ndarray,
     values: np.ndarray,
     tokens: np.ndarray,
-    temperature: float,
+    temperature: float | np.ndarray,
 ) -> np.ndarray:
-    """log p_kNN(tokens[i, j]) for row i; distances/ids/values (n, k), tokens (n, m)."""
+    """log p_kNN(tokens[i, j]) for row i; distances/ids/values (n, k), tokens (n, m);
+    temperature: one T or (n,) one per row."""
     lw = neighbour_log_weights(distances, ids, temperature)  # (n, k)
     w = np.exp(lw)  # zero for padding
     match = values[:, None, :] == tokens[:, :, None]  # (n, m, k)
@@ -128,20 +134,23 @@ def augmented_scores(
     params: KnnParams,
     *,
     lmbda: np.ndarray | None = None,
+    temperature: np.ndarray | None = None,
 ) -> AugmentedScores:
     """Score the gold token and find the augmented model's best token.
 
     The arg max of (1 - l) p_LM + l p_kNN is either the LM's top-1 or one of the neighbour
     values, so those k + 1 candidates give the exact maximum.  ``value_lm_logprob`` (n, k)
     holds log p_LM of each neighbour value (Encoder.logprobs_for).  ``lmbda``: (n,) lambda
-    per token instead of ``params.lmbda`` (a calibrator's; 0 keeps the LM).
+    per token instead of ``params.lmbda`` (a calibrator's; 0 keeps the LM); ``temperature``:
+    (n,) T per token instead of ``params.temperature`` (the served combination's).
     """
     valid = has_neighbours(ids)
     cand = np.concatenate([targets[:, None], top_id[:, None], values], axis=1)  # (n, k+2)
     cand_lm = np.concatenate(
         [target_lm_logprob[:, None], top_lm_logprob[:, None], value_lm_logprob], axis=1
     )
-    knn = knn_logprob(distances, ids, values, cand, params.temperature)
+    t = params.temperature if temperature is None else temperature
+    knn = knn_logprob(distances, ids, values, cand, t)
     aug = interpolate(cand_lm, knn, params.lmbda if lmbda is None else lmbda, valid)
     # padding neighbours (id -1) are not real candidates
     pad = np.concatenate([np.zeros((len(ids), 2), bool), ids < 0], axis=1)

@@ -155,11 +155,13 @@ def token_scores(
     params: KnnParams,
     *,
     lmbda: np.ndarray | None = None,
+    temperature: np.ndarray | None = None,
 ) -> TokenScores:
     """The augmented-model scores of one document's tokens against its neighbours.
 
     dist, vals: (n, k) search results with -1 values as padding (MemoryIndex.search_values);
-    ``lmbda``: (n,) lambda per token (the served calibrator's), else ``params.lmbda``.
+    ``lmbda``: (n,) lambda per token (the served calibrator's), else ``params.lmbda``;
+    ``temperature``: (n,) T per token (the served combination's), else ``params.temperature``.
     """
     ids = np.where(vals >= 0, 0, -1)  # only validity matters to the kNN distribution
     value_lm = encoder.logprobs_for(out.hidden, out.lse, np.maximum(vals, 0))
@@ -174,6 +176,7 @@ def token_scores(
         value_lm,
         params,
         lmbda=lmbda,
+        temperature=temperature,
     )
     return TokenScores(aug.target_logprob, aug.max_logprob, out.key_ce)
 
