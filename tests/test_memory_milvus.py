@@ -139,6 +139,7 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
     """Milvus 2.3 sometimes refuses the compaction after a flush; the build goes on. And
     pymilvus stops waiting for an index only at an int timeout: a float would never fire."""
     from memlm.memory.milvus_backend import MilvusException
+    from memlm.memory.milvus_client import Collection
 
     rng = np.random.default_rng(4)
     mem = open_milvus(milvus_url, DIM)
@@ -150,14 +151,17 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
             raise MilvusException(message="segment in flushed state not found")
 
         timeouts: list[object] = []
-        create = mem.collection.create_index
+        create = Collection.create_index
 
-        def record(*a: object, **kw: object) -> object:
+        def record(coll: Collection, *a: object, **kw: object) -> object:
             timeouts.append(kw.get("timeout"))
-            return create(*a, **kw)
+            return create(coll, *a, **kw)
 
         monkeypatch.setattr(mem.collection, "compact", refuse)
-        monkeypatch.setattr(mem.collection, "create_index", record)
+        # in place (the index stays FLAT): the refused compaction is skipped
+        info = mem.build_index()
+        assert (info["index_recreated"], info["entries"]) == (False, 2000)
+        monkeypatch.setattr(Collection, "create_index", record)
         params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=2000)
         info = mem.build_index(params)
         assert info["index_recreated"] is True and info["entries"] == 2000
