@@ -82,6 +82,10 @@ _aliases = itertools.count()
 # generation not dropped yet.
 SWAP_CRASH_POINTS = ("after_copy", "after_switch")
 _T = TypeVar("_T")
+# Seconds the old generation stays after the switch before it is dropped: searches of
+# this process already under way on it end there (a search that meets the drop fails
+# after ~0.8 s, "delegator closed", and is retried on the new one).
+DROP_GRACE_S = 1.0
 
 
 class MilvusCollection:
@@ -150,15 +154,19 @@ class MilvusCollection:
         return True
 
     def _read(self, fn: Callable[[Collection], _T]) -> _T:
-        """``fn`` on the served collection; where a switch dropped it (or it is not loaded)
-        the alias is resolved again and ``fn`` tried once more, else the memory is
-        unavailable (503 in the API, a paused retry in the worker)."""
+        """``fn`` on the served collection. Where it fails and the alias names another
+        collection now (a switch: the old one was dropped, or closed its channels under a
+        search in flight, "delegator closed"), or the collection is gone or not loaded,
+        the alias is resolved again and ``fn`` tried once more; a collection still not
+        there makes the memory unavailable (503 in the API, a paused retry in the
+        worker)."""
+        used = self.collection
         try:
-            return fn(self.collection)
+            return fn(used)
         except MilvusException as exc:
-            if not gone(exc):
+            self._follow()
+            if self.collection.name == used.name and not gone(exc):
                 raise
-        self._follow()
         try:
             return fn(self.collection)
         except MilvusException as exc:
@@ -606,6 +614,7 @@ class MilvusCollection:
         if crash_at == "after_switch":
             raise SimulatedCrash(crash_at)
         self._serve(name)
+        time.sleep(DROP_GRACE_S)
         # searches of other processes still on the old one resolve the alias again when
         # it is gone (``_read``); if the drop fails, the next start's cleanup drops it
         self._drop_quietly(old.name)
