@@ -272,3 +272,31 @@ def test_a_build_killed_during_the_swap_leaves_the_recorded_collection_served(
         assert _generations(again) == [again.collection.name] != [served]
     finally:
         again.close()
+
+
+def test_a_collection_not_loaded_is_unavailable_with_a_reason(milvus_url: str) -> None:
+    """An operator's release (or a restarted server still loading): searches raise
+    ``MemoryUnavailable`` (503 with the reason in the API, a paused retry in the worker),
+    never Milvus's own error (500), and ``unavailable()`` says why, for the worker."""
+    from memlm.unavailable import MEMORY, MemoryUnavailable, unavailable
+
+    rng = np.random.default_rng(7)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 1, 50)
+        mem.append(keys, vals, docs, pos, days)
+        assert mem.unavailable() is None
+        mem.collection.release()
+        reason = mem.unavailable()
+        assert reason is not None and reason.endswith(
+            f"{mem.collection.name} of {mem.url} is NotLoad"
+        )
+        with pytest.raises(MemoryUnavailable) as err:
+            mem.search(keys[:1], 1)
+        assert unavailable(err.value) == MEMORY
+        mem.collection.load()
+        assert mem.unavailable() is None
+        _, ids, _ = mem.search(keys[:1], 1)
+        assert ids[0, 0] == entry_ids(docs[:1], pos[:1])[0]
+    finally:
+        mem.close()

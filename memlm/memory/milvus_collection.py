@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -419,6 +420,22 @@ class MilvusCollection:
                 )
         finally:
             it.close()
+
+    def unavailable(self) -> str | None:
+        """Why no search can run now: the server away, no collection, or the served one
+        not loaded (a restarted server loads it again; an operator released it)."""
+        try:
+            self._follow()
+            state = utility.load_state(self.collection.name, using=self.alias, timeout=self.timeout)
+        except MemoryUnavailable as exc:
+            return str(exc)
+        except MilvusException as exc:
+            return f"the Milvus memory {self.url} cannot be read: {exc}"
+        except grpc.RpcError as exc:  # the server away (``mapped`` covers the others)
+            return f"the Milvus server of {self.url} is unavailable: {exc.code()}"
+        if state.name != "Loaded":
+            return f"the Milvus collection {self.collection.name} of {self.url} is {state.name}"
+        return None
 
     @mapped
     def refresh(self) -> int:
