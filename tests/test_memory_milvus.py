@@ -300,3 +300,40 @@ def test_a_collection_not_loaded_is_unavailable_with_a_reason(milvus_url: str) -
         assert ids[0, 0] == entry_ids(docs[:1], pos[:1])[0]
     finally:
         mem.close()
+
+
+def test_a_collection_made_before_aliases_becomes_a_generation_at_its_first_switch(
+    milvus_url: str,
+) -> None:
+    """A memory whose collection is named as the URL itself (made before the alias) is
+    served as generation 0; its first re-creating build drops it and names the new
+    generation by the alias; a reader opened before follows."""
+    from memlm.memory.milvus_client import Collection, new_schema
+
+    rng = np.random.default_rng(8)
+    keys, vals, docs, pos, days = _entries(rng, 1, 2000)
+    first = open_milvus(milvus_url, DIM)  # only to borrow its connection and name
+    name = first.base
+    first.drop()
+    legacy = Collection(name, new_schema(DIM), using=first.alias)
+    legacy.create_index("key", {"index_type": "FLAT", "metric_type": "L2", "params": {}})
+    first.close()
+    mem = open_milvus(milvus_url, DIM)
+    reader = open_milvus(milvus_url, DIM)
+    try:
+        assert mem.collection.name == reader.collection.name == name  # generation 0
+        mem.append(keys, vals, docs, pos, days)
+        info = mem.build_index(IVFPQ, retrain=True)
+        assert info["collection"] == f"{name}__g0001" == mem.collection.name
+        assert _generations(mem) == [f"{name}__g0001"]
+        # the old name is now the alias of the new generation
+        assert Collection(name, using=mem.alias).describe()["collection_name"] == info["collection"]
+        # the reader's name now names the alias: its searches answer right meanwhile, and
+        # its next refresh (the API's poll, a worker's next document) resolves it
+        _, ids, _ = reader.search(keys[:5], 1)
+        assert ids[:, 0].tolist() == entry_ids(docs[:5], pos[:5]).tolist()
+        assert reader.refresh() == 0 and reader.collection.name == info["collection"]
+        assert (reader.count(), reader.params.kind) == (2000, "ivfpq")
+    finally:
+        reader.close()
+        mem.close()
