@@ -54,6 +54,7 @@ from memlm.memory.milvus_client import (
     milvus_index,
     new_schema,
     served_params,
+    server_away,
     utility,
 )
 from memlm.memory.milvus_generations import (
@@ -165,6 +166,8 @@ class MilvusCollection:
         try:
             return fn(used)
         except MilvusException as exc:
+            if server_away(exc):  # no other collection to ask: 503 (``mapped``) at once
+                raise
             self._follow()
             if self.collection.name == used.name and not gone(exc):
                 raise
@@ -571,9 +574,12 @@ class MilvusCollection:
                     log.warning("Milvus compaction skipped: %s", exc)
                 steps["compact_seconds"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            utility.wait_for_index_building_complete(
-                self.collection.name, using=self.alias, timeout=long_wait
-            )
+            if not recreated:  # (a new generation is indexed before its switch; a
+                # compaction of its upserts may index a merged segment again afterwards,
+                # searched meanwhile by brute force: nothing to wait for)
+                utility.wait_for_index_building_complete(
+                    self.collection.name, using=self.alias, timeout=long_wait
+                )
             self.params = want  # the index Milvus holds now, and its nprobe
             return {
                 "backend": self.name,
