@@ -557,8 +557,10 @@ class MilvusCollection:
             recreated = other or (retrain and want.kind == "ivfpq")
             steps: dict[str, Any] = {}
             if recreated:
-                # the new generation is compacted by construction: only live rows are copied
-                steps = self._rebuild_beside(want, long_wait, crash_at)
+                # the new generation is compacted by construction: only live rows are
+                # copied. Its index may take an hour: nothing is unavailable meanwhile,
+                # a slow (or shared) index node only delays the switch.
+                steps = self._rebuild_beside(want, max(long_wait, 3600), crash_at)
                 n = self.count()
             else:
                 steps["flush_seconds"] = round(self.flush(), 3)
@@ -618,6 +620,7 @@ class MilvusCollection:
             for keys, values, docs, pos, days in self._pages(old):
                 self._upsert_into(new, entry_ids(docs, pos), keys, values, docs, pos, days)
                 copied += len(values)
+            copy_s = time.perf_counter() - t0
             new.flush(timeout=long_wait)
             # rows a forget deleted while the copy was running
             removed = drop_extra(new, old, long_wait)
@@ -628,7 +631,7 @@ class MilvusCollection:
         except BaseException:
             self._drop_quietly(name)
             raise
-        copy_s = time.perf_counter() - t0
+        index_s = time.perf_counter() - t0 - copy_s
         if crash_at == "after_copy":
             raise SimulatedCrash(crash_at)
         t1 = time.perf_counter()
@@ -654,6 +657,8 @@ class MilvusCollection:
             "copied": copied,
             "removed_after_copy": removed,
             "copy_seconds": round(copy_s, 3),
+            # flush, the forgotten rows deleted, the index built and loaded
+            "index_seconds": round(index_s, 3),
             "switch_seconds": round(switch_s, 3),
         }
 
