@@ -7,7 +7,7 @@ documents of 10,000 entries), unbuilt: a FLAT index. ``--clients`` threads POST
 ``/predict`` without pause for ``--outside`` seconds, then while ``engine.rebuild``
 (what the builder thread runs) re-creates the index (FLAT -> IVF_PQ, the size's
 parameters; ``--retrain`` builds once more, IVF_PQ -> IVF_PQ trained again), then
-``--outside`` seconds more. Each answer is counted in the phase it ended in: a 5xx (or
+``--outside`` seconds more (a build that fails is reported, and the run goes on). Each answer is counted in the phase it ended in: a 5xx (or
 any answer but 200 and 429) is a failure; a 429 (admission under load) is counted
 apart, and the client waits its Retry-After (at most 1 s), as a client should.
 
@@ -158,10 +158,14 @@ def main() -> None:
                 marks = [("before", t0, time.perf_counter())]
                 for i, retrain in enumerate([False] + ([True] if args.retrain else [])):
                     a = time.perf_counter()
-                    info = engine.rebuild(retrain=retrain)
+                    try:
+                        info = engine.rebuild(retrain=retrain)
+                        done: dict[str, Any] = info.record()
+                    except Exception as exc:  # noqa: BLE001 - a failed build is a result too
+                        done = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
                     b = time.perf_counter()
                     marks.append((f"during build {i + 1}", a, b))
-                    builds.append({"seconds": round(b - a, 1), **info.record()})
+                    builds.append({"seconds": round(b - a, 1), **done})
                     print(f"# build {i + 1}: {builds[-1]}", flush=True)
                 a = time.perf_counter()
                 time.sleep(args.outside)
