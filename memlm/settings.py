@@ -93,6 +93,21 @@ class Settings(BaseSettings):
     # Where the encoder runs: auto takes CUDA when torch sees it, else the CPU.
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
+    # --- consolidation and the memory budget (issue 35; memlm.memory.consolidation) ---------
+    # Stored entries re-tested at each build against today's memory (a window rotating
+    # through the memory); 0: none. The service keeps no p_LM per entry, so the test
+    # retires only entries their neighbours alone make redundant (docs/memory.md).
+    consolidate_sample: int = Field(default=0, ge=0)
+    # Live entries the build keeps at most (None: no budget); over it, the build retires
+    # what costs least by MEMLM_BUDGET_CRITERION. age (the oldest first) because it was
+    # measured best: on slice20 at 44% of FullMem's entries, FullMem under an age budget
+    # is +0.03% ppl from FullMem and beats usage/redundancy (+0.31%) in 98% of paired
+    # resamples, random in 67% (docs/results/slice20-consolidate; 5 days, 6 test
+    # documents, and no month-end forgetting measured). usage: fewest hits of the
+    # entry's block, then most redundant; redundancy; random.
+    memory_budget_entries: int | None = Field(default=None, ge=0)
+    budget_criterion: Literal["usage", "redundancy", "age", "random"] = "age"
+
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.
     rebuild_cron: str = "0 3 * * *"

@@ -53,17 +53,19 @@ def run_migrations_online() -> None:
             context.run_migrations()
         return
     engine = make_engine(_url())
-    with engine.connect() as conn:
-        # render_as_batch: SQLite cannot ALTER most things; batch mode copies the table.
-        context.configure(
-            connection=conn,
-            target_metadata=target_metadata,
-            render_item=render_item,
-            render_as_batch=conn.dialect.name == "sqlite",
-        )
-        with context.begin_transaction():
-            context.run_migrations()
-    engine.dispose()
+    try:
+        with engine.connect() as conn:
+            # render_as_batch: SQLite cannot ALTER most things; batch mode copies the table.
+            context.configure(
+                connection=conn,
+                target_metadata=target_metadata,
+                render_item=render_item,
+                render_as_batch=conn.dialect.name == "sqlite",
+            )
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:  # a failed migration (or autogenerate's check) must not leave connections open
+        engine.dispose()
 
 
 if context.is_offline_mode():

@@ -99,6 +99,7 @@ def summarise(
         interpolation=interpolation_out(engine_stats.get("interpolation")),
         device=engine_stats.get("device"),
         precision=engine_stats.get("precision"),
+        consolidation=engine_stats.get("consolidation"),
     )
 
 

@@ -209,6 +209,7 @@ def test_delete_document_persists(tmp_path: Path) -> None:
         "entries": 10,
         "live_entries": 4,
         "deleted_documents": 1,
+        "retired_entries": 0,
         "bytes_on_disk": sum(f.stat().st_size for f in tmp_path.iterdir()),
         "bytes_reclaimed": 0,
         "dim": DIM,

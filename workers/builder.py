@@ -112,6 +112,9 @@ def _build(
     compaction = getattr(info, "compaction", None)
     if compaction:  # what the compaction before the build removed
         params["compaction"] = compaction
+    consolidation = getattr(info, "consolidation", None)
+    if consolidation is not None:  # what the consolidation retired (per reason), the budget
+        params["consolidation"] = consolidation
     interpolation = getattr(info, "interpolation", None)
     if interpolation is not None:  # the constant chosen and whether the calibrator beat it
         params["interpolation"] = interpolation

@@ -60,16 +60,19 @@ class PgWorkerLock:
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self._engine.connect()
         key = advisory_key(self.db_url, self.name)
-        while True:
-            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
-            conn.commit()
-            if got:
-                self._conn = conn
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                conn.close()
-                raise LockBusy(f"{self.path} is held by another process")
-            time.sleep(poll)
+        try:
+            while True:
+                got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+                conn.commit()
+                if got:
+                    self._conn = conn
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LockBusy(f"{self.path} is held by another process")
+                time.sleep(poll)
+        except BaseException:  # busy, the database gone, or interrupted: no connection left open
+            conn.close()
+            raise
 
     def release(self) -> None:
         if self._conn is not None:

@@ -89,6 +89,22 @@ class InterpolationOut(BaseModel):
     model_config = {"populate_by_name": True, "serialize_by_alias": True}
 
 
+class ConsolidationOut(BaseModel):
+    """The memory budget and what the last build's consolidation retired, and why."""
+
+    sample: int = Field(description="stored entries re-tested at each build (0: none)")
+    budget: int | None = Field(description="live entries a build keeps at most (None: none)")
+    criterion: str = Field(description="what the budget retires first: usage, redundancy, ...")
+    last: dict[str, Any] | None = Field(
+        None,
+        description="the last night: examined, failed, retired per reason (test: would not "
+        "be stored today; budget), cursor, live before and after, seconds",
+    )
+    usage: dict[str, int] = Field(
+        description="retrievals and hits counted per block of entries while ingesting"
+    )
+
+
 class StatsResponse(BaseModel):
     backend: str = Field(
         "faiss",
@@ -119,6 +135,9 @@ class StatsResponse(BaseModel):
     device: str | None = Field(None, description="where the encoder runs (MEMLM_DEVICE)")
     precision: str | None = Field(
         None, description="what the encoder's transformer runs in (MEMLM_PRECISION)"
+    )
+    consolidation: ConsolidationOut | None = Field(
+        None, description="the memory budget and what consolidation retired (issue 35)"
     )
 
 
@@ -230,6 +249,11 @@ class BuildOut(BaseModel):
         None,
         description="bytes_on_disk and bytes_in_ram of the memory right after the build "
         "(the dashboard's memory size over time)",
+    )
+    consolidation: dict[str, Any] | None = Field(
+        None,
+        description="what the consolidation before this build retired, per reason (test, "
+        "budget), the budget and the cursor",
     )
 
 

@@ -92,6 +92,9 @@ class BuildRow(BaseModel):
     )
     interpolation: dict[str, Any] | None
     sizes: dict[str, Any] | None
+    consolidation: dict[str, Any] | None = Field(
+        None, description="what the consolidation before the build retired, per reason"
+    )
 
 
 class HeldOutDay(BaseModel):

@@ -31,7 +31,15 @@ def eval_command(
     max_eval_docs_per_day: int | None = typer.Option(2, help="dev and test documents a day (each)"),
     policies: str = typer.Option(
         ",".join(POLICY_NAMES),
-        help=f"comma-separated, of: {', '.join(POLICY_NAMES)}; 'bare' always runs",
+        help=f"comma-separated, of: {', '.join(POLICY_NAMES)}, each optionally with +cons "
+        "(nightly consolidation) and/or +budget (keep --budget entries); 'bare' always runs",
+    ),
+    consolidate_sample: int = typer.Option(
+        2048, help="+cons policies: stored entries re-tested each night (a rotating window)"
+    ),
+    budget: int | None = typer.Option(None, help="+budget policies: entries kept after a build"),
+    budget_criterion: str = typer.Option(
+        "age", help="what a +budget policy retires first: age, usage, redundancy or random"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(
@@ -152,7 +160,20 @@ def eval_command(
 
     logging.basicConfig(level=logging.WARNING)
     chosen = [p.strip() for p in policies.split(",") if p.strip() and p.strip() != "bare"]
-    unknown = sorted(set(chosen) - set(POLICY_NAMES))
+    from memlm.evaluate.config import policy_parts
+
+    try:
+        unknown = sorted(p for p in chosen if policy_parts(p)[0] not in POLICY_NAMES)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policies") from None
+    if budget_criterion not in ("usage", "redundancy", "age", "random"):
+        raise typer.BadParameter(
+            "choose usage, redundancy, age or random", param_hint="--budget-criterion"
+        )
+    if any(policy_parts(p)[2] for p in chosen) and (budget is None or budget < 0):
+        raise typer.BadParameter("+budget policies need --budget >= 0", param_hint="--budget")
+    if consolidate_sample < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--consolidate-sample")
     if unknown:
         raise typer.BadParameter(
             f"unknown {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}",
@@ -253,6 +274,9 @@ def eval_command(
         ood_tokens=ood_tokens,
         encode_shard=shard,
         follow_encode=follow_encode,
+        consolidate_sample=consolidate_sample,
+        budget=budget,
+        budget_criterion=budget_criterion,
     )
     from memlm.encoder import Encoder, EncoderError
 

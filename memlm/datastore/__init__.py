@@ -57,7 +57,8 @@ Modules, one responsibility each::
     segments.py   a handle's state and every read (``keys``, ``live_mask``, ``iter_chunks``...)
     recovery.py   committing the manifest, ``exclusive``, ``reload``, recovery at open
     writing.py    ``append``, ``truncate``
-    forget.py     ``delete_document`` (tombstones), ``compact``
+    forget.py     ``delete_document`` (tombstones), ``retire_entries`` (the retired log:
+                  single entries consolidation retires), ``compact``
     store.py      :class:`Datastore` (all of the above) and ``Datastore.open``
 """
 
@@ -72,6 +73,8 @@ from memlm.datastore.layout import (
     FORMAT_VERSION,
     LOCK,
     MANIFEST,
+    RETIRE_CRASH_POINTS,
+    RETIRED,
     TOMBSTONES,
     DatastoreError,
     KeyPrecisionMismatch,
@@ -88,6 +91,8 @@ __all__ = [
     "FORMAT_VERSION",
     "LOCK",
     "MANIFEST",
+    "RETIRED",
+    "RETIRE_CRASH_POINTS",
     "TOMBSTONES",
     "Compaction",
     "Datastore",

@@ -15,6 +15,7 @@ from memlm.datastore.layout import (
     _IDS_DTYPE,
     COMPACT_CRASH_POINTS,
     DELETE_CRASH_POINTS,
+    RETIRE_CRASH_POINTS,
     SimulatedCrash,
     _check_crash,
     _segment_name,
@@ -54,11 +55,13 @@ class _Forget(_Writing):
             if doc_id in self._deleted:
                 return 0
             if entries is None:
-                hidden = len(self.entries_of_document(doc_id))
+                ids = self.entries_of_document(doc_id)
             else:
                 ids = np.arange(max(0, entries.start), min(entries.stop, m.total), dtype=np.int64)
-                present = self._present(ids)
-                hidden = int((self._gather("doc_ids", ids[present]) == doc_id).sum())
+                ids = ids[self._present(ids)]
+                ids = ids[self._gather("doc_ids", ids) == doc_id]
+            # entries consolidation retired already left the live count
+            hidden = int((~np.isin(ids, self._retired_arr)).sum())
             try:
                 self._write_tombstones(m.tombstones, np.array([doc_id], dtype=np.int64))
                 _check_crash(crash_at, "after_log")
@@ -67,6 +70,37 @@ class _Forget(_Writing):
                 self._crashed()
                 raise
             return hidden
+
+    def retire_entries(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
+        """Hide single entries from every later read, search and build (consolidation's
+        retirement); the next ``compact`` removes their rows. Returns how many of ``ids``
+        this newly retired: ids already retired, of a deleted document, compacted away or
+        out of range count 0, so a retry after a crash counts nothing twice.
+
+        The same mechanism as a document's tombstone: (id, generation) pairs join the
+        retired log (16 bytes each), then one manifest commit with the live count.
+        """
+        if crash_at is not None and crash_at not in RETIRE_CRASH_POINTS:
+            raise ValueError(f"crash_at must be one of {RETIRE_CRASH_POINTS}, got {crash_at!r}")
+        want = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+        with self.exclusive(), self._write_lock:
+            self._check_usable()
+            m = self._m
+            want = want[(want >= 0) & (want < m.total)]
+            if want.size:
+                want = want[self.live_mask(want)]
+            if not want.size:
+                return 0
+            pairs = np.stack([want, np.full(want.shape, m.generation + 1, np.int64)], axis=1)
+            try:
+                self._write_retired(m.retired, pairs)
+                _check_crash(crash_at, "after_log")
+                new = m.changed(retired=m.retired + len(want), live=m.live - len(want))
+                self._commit(new, crash_at)
+            except SimulatedCrash:
+                self._crashed()
+                raise
+            return int(want.size)
 
     def compact(self, *, crash_at: str | None = None) -> Compaction:
         """Rewrite every segment that holds rows of deleted documents without them.
@@ -97,13 +131,17 @@ class _Forget(_Writing):
     def _compact_locked(self, crash_at: str | None) -> Compaction:
         m = self._m
         self._recover(cut_tails=False)  # leftovers of a compaction that crashed
-        if not self._deleted:
+        if not self._deleted and not self._retired_arr.size:
             return Compaction(0, 0, 0)
         plan: list[tuple[int, npt.NDArray[np.int64]]] = []  # (segment, rows it keeps)
+        cap = m.max_segment_entries
         for seg, nrows in enumerate(m.rows):
             if nrows:
-                doc_ids = self._segment_maps(seg)["doc_ids"]
-                dead = np.isin(doc_ids, self._deleted_arr)
+                maps = self._segment_maps(seg)
+                dead = np.isin(maps["doc_ids"], self._deleted_arr)
+                if self._retired_arr.size:  # rows of retired entries, by id
+                    offs = maps["ids"] if m.sparse(seg) else np.arange(nrows)
+                    dead |= np.isin(seg * cap + np.asarray(offs, np.int64), self._retired_arr)
                 if dead.any():
                     plan.append((seg, np.flatnonzero(~dead)))
         if not plan:

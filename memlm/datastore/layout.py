@@ -10,6 +10,9 @@ import numpy as np
 MANIFEST = "manifest.json"
 LOCK = "LOCK"  # flock of the writer (for its life, or a shared writer's exclusive())
 TOMBSTONES = "tombstones"  # int64 log of deleted document ids; the manifest commits its length
+# int64 (entry id, generation of its commit) pairs of entries that consolidation retired;
+# the manifest commits the number of pairs
+RETIRED = "retired"
 FORMAT = "memlm-datastore"
 # 2: tombstone log, live count, compacted segments. A v1 manifest (deleted documents
 # listed inline) is read, and the first writer open rewrites it as v2.
@@ -39,6 +42,8 @@ DELETE_CRASH_POINTS = (
     "before_manifest",
     "after_manifest",
 )
+# Where ``retire_entries(crash_at=...)`` raises ``SimulatedCrash``.
+RETIRE_CRASH_POINTS = DELETE_CRASH_POINTS
 # Rows copied per step of a compaction: 64k keys at d=576 is 72 MB of float16.
 _COMPACT_CHUNK = 65536
 

@@ -21,6 +21,7 @@ class _Manifest:
     rows: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     tombstones: int = 0  # committed length of the tombstone log
+    retired: int = 0  # committed length of the retired-entries log (pairs)
     live: int = 0  # committed entries whose document is not deleted
     reclaimed_bytes: int = 0  # data-file bytes removed by compactions, cumulative
     generation: int = 0  # +1 for every committed change
@@ -49,6 +50,7 @@ class _Manifest:
             rows=list(self.rows),
             names=list(self.names),
             tombstones=self.tombstones,
+            retired=self.retired,
             live=self.live,
             reclaimed_bytes=self.reclaimed_bytes,
             generation=self.generation + 1,
@@ -76,6 +78,7 @@ class _Manifest:
                     )
                 ],
                 "tombstones": self.tombstones,
+                "retired": self.retired,
                 "live_entries": self.live,
                 "reclaimed_bytes": self.reclaimed_bytes,
                 "truncations": [list(t) for t in self.truncations],
@@ -106,6 +109,7 @@ class _Manifest:
                 m.legacy_deleted = sorted({int(d) for d in raw["deleted_documents"]})
             else:
                 m.tombstones = int(raw["tombstones"])
+                m.retired = int(raw.get("retired", 0))  # stores made before consolidation
                 m.live = int(raw["live_entries"])
                 m.reclaimed_bytes = int(raw["reclaimed_bytes"])
             names = [s["name"] for s in segs]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from memlm.datastore.durable import _give_back, _stat_key, _take_writer_lock, fsync_dir
-from memlm.datastore.layout import MANIFEST, TOMBSTONES, DatastoreError, _check_crash
+from memlm.datastore.layout import MANIFEST, RETIRED, TOMBSTONES, DatastoreError, _check_crash
 from memlm.datastore.manifest import _Manifest
 from memlm.datastore.segments import _Segments
 
@@ -94,7 +95,9 @@ class _Recovery(_Segments):
         return True
 
     def _read_tombstones(self) -> None:
-        """Bring the deleted set up to the committed log, reading only the new ids."""
+        """Bring the deleted set (and the retired entries) up to the committed logs,
+        reading only the new ids."""
+        self._read_retired()
         m = self._m
         if m.legacy_deleted is not None:  # v1: inline, and no live count on disk
             self._deleted = set(m.legacy_deleted)
@@ -116,15 +119,48 @@ class _Recovery(_Segments):
         self._deleted_arr = np.union1d(self._deleted_arr, new)
         self._tombstones_read = stop
 
+    def _read_retired(self) -> None:
+        """Bring the retired entries up to the committed retired log. A pair (id,
+        generation) no longer counts once a later truncate cut at or below ``id``: the id
+        then names another entry (or none)."""
+        m = self._m
+        start, stop = self._retired_read, m.retired
+        if stop < start:
+            raise DatastoreError(f"{self.path}: the retired log shrank ({start} -> {stop})")
+        if stop == start and self._retired_cuts == len(m.truncations):
+            return
+        if stop > start:
+            with open(self.path / RETIRED, "rb") as f:
+                f.seek(start * 16)
+                raw = np.frombuffer(f.read((stop - start) * 16), dtype=np.int64)
+            if len(raw) != 2 * (stop - start):
+                raise DatastoreError(f"{self.path / RETIRED}: shorter than the manifest commits")
+            self._retired_pairs = np.concatenate([self._retired_pairs, raw.reshape(-1, 2)])
+            self._retired_read = stop
+        ids, gens = self._retired_pairs[:, 0], self._retired_pairs[:, 1]
+        valid = np.ones(len(ids), dtype=bool)
+        for g, n in m.truncations:
+            valid &= ~((gens < g) & (ids >= n))
+        self._retired_arr = np.unique(ids[valid])
+        self._retired_cuts = len(m.truncations)
+
+    def _write_retired(self, start: int, pairs: npt.NDArray[np.int64]) -> None:
+        """Write (id, generation) pairs at pair ``start`` of the retired log, durably
+        (uncommitted until the manifest says so)."""
+        self._write_log(self.path / RETIRED, start * 16, pairs)
+
     def _write_tombstones(self, start: int, ids: npt.NDArray[np.int64]) -> None:
         """Write ``ids`` at position ``start`` of the log, durably (uncommitted until the
         manifest says so: bytes beyond its count are cut by the next writer open)."""
-        f = self.path / TOMBSTONES
+        self._write_log(self.path / TOMBSTONES, start * 8, ids)
+
+    def _write_log(self, f: Path, offset: int, ids: npt.NDArray[np.int64]) -> None:
+        """Write int64s at byte ``offset`` of an append-only log, fsynced."""
         new_file = not f.exists()
         size = 0 if new_file else f.stat().st_size
         try:
             with open(f, "r+b" if not new_file else "w+b") as fh:
-                fh.seek(start * 8)
+                fh.seek(offset)
                 fh.write(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -16,6 +16,7 @@ from memlm.datastore.layout import (
     _COLUMNS,
     _IDS_DTYPE,
     _KEYS_DTYPE,
+    RETIRED,
     TOMBSTONES,
     DatastoreError,
     _dtype,
@@ -41,6 +42,12 @@ class _Segments:
         self._deleted: set[int] = set()  # the tombstones read so far ...
         self._deleted_arr = np.empty(0, dtype=np.int64)  # ... sorted, for np.isin
         self._tombstones_read = 0  # ... which are the log's first this many
+        # entry ids consolidation retired (sorted; those a later truncate cut are left
+        # out), and how many pairs of the retired log were read
+        self._retired_arr = np.empty(0, dtype=np.int64)
+        self._retired_pairs = np.empty((0, 2), dtype=np.int64)
+        self._retired_read = 0
+        self._retired_cuts = 0  # truncations the retired ids were checked against
         self._broken = False
         self._lock_fd: int | None = None  # the writer's flock; None when read-only
         self._closed = False
@@ -78,6 +85,8 @@ class _Segments:
         ]
         if m.tombstones or (self.path / TOMBSTONES).exists():
             out.append((self.path / TOMBSTONES, m.tombstones * 8))
+        if m.retired or (self.path / RETIRED).exists():
+            out.append((self.path / RETIRED, m.retired * 16))
         return out
 
     def _nbytes(self, column: str, count: int) -> int:
@@ -115,6 +124,11 @@ class _Segments:
     @property
     def deleted_documents(self) -> frozenset[int]:
         return frozenset(self._deleted)
+
+    @property
+    def num_retired(self) -> int:
+        """Entries consolidation retired that the store still counts (not cut since)."""
+        return int(self._retired_arr.size)
 
     @property
     def num_deleted_documents(self) -> int:
@@ -245,9 +259,9 @@ class _Segments:
     def live_mask(
         self, ids: npt.ArrayLike, hidden: npt.NDArray[np.int64] | None = None
     ) -> npt.NDArray[np.bool_]:
-        """True where the entry is present and its document is neither deleted nor in
-        ``hidden`` (sorted document ids the caller hides too, e.g. forgets requested but
-        not yet applied)."""
+        """True where the entry is present, not retired, and its document is neither
+        deleted nor in ``hidden`` (sorted document ids the caller hides too, e.g. forgets
+        requested but not yet applied)."""
         with self._lock:
             idx, parts = self._locate(ids)
             doc_ids = np.zeros(idx.shape, dtype=np.int64)
@@ -257,6 +271,9 @@ class _Segments:
                 present[sel] = ok
                 doc_ids[sel[ok]] = self._segment_maps(seg)["doc_ids"][rows[ok]]
             deleted = self._deleted_arr
+            retired = self._retired_arr
+        if retired.size:
+            present &= ~np.isin(idx, retired)
         if hidden is not None and len(hidden):
             deleted = np.union1d(deleted, hidden)
         if deleted.size == 0:
@@ -352,6 +369,7 @@ class _Segments:
                 "entries": m.total,
                 "live_entries": m.live,
                 "deleted_documents": len(self._deleted),
+                "retired_entries": int(self._retired_arr.size),
                 "bytes_on_disk": size,
                 "bytes_reclaimed": m.reclaimed_bytes,
                 "dim": m.dim,

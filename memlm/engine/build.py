@@ -17,6 +17,7 @@ from memlm.engine.core import EngineCore
 from memlm.engine.errors import EngineInputError
 from memlm.engine.results import RebuildInfo
 from memlm.memory import Compaction, IndexParams
+from memlm.memory.consolidation import CONSOLIDATE_CRASH_POINTS, consolidate
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,23 @@ class BuildMixin(EngineCore):
         Milvus: the collection flushed, compacted and, when the size or ``retrain`` asks,
         indexed again.
 
+        First, when it is on, consolidation (``consolidate``): entries that would not be
+        stored today retire, and the memory budget is kept; the compaction then removes
+        their rows with the forgotten documents' and the build leaves them out.
+
         One build at a time per data directory, across processes (``build.lock``).
+        ``crash_at``: a consolidation point (``CONSOLIDATE_CRASH_POINTS``) or one of the
+        memory's ``build_crash_points``.
         """
         self._check_writer()
         root = self.memory.root
         with self.building():
             self.sync()
+            consolidation = self.consolidate(
+                crash_at=crash_at if crash_at in CONSOLIDATE_CRASH_POINTS else None
+            )
+            if crash_at in CONSOLIDATE_CRASH_POINTS:
+                crash_at = None
             compaction = self.compact()
             info = self.memory.build(params, retrain=retrain, crash_at=crash_at)
             # ingest goes on during a build (workers.builder): the statistics are saved
@@ -68,7 +80,40 @@ class BuildMixin(EngineCore):
             calibrator=report,
             compaction=dataclasses.asdict(compaction),
             interpolation=interpolation,
+            consolidation=consolidation,
         )
+
+    def consolidate(self, *, crash_at: str | None = None) -> dict[str, Any] | None:
+        """Re-test a window of stored entries against today's memory with the constant
+        served now, retire those that fail, keep the memory budget
+        (``memlm.memory.consolidation``); the usage counts are saved beside the build
+        records. Returns the night's report (None when consolidation is off).
+
+        The service's memories keep no p_LM per entry: the test takes it as 0 (a lower
+        bound on p), so it retires only entries their neighbours alone make redundant.
+        """
+        self._check_writer()
+        cfg = self.consolidation
+        with self.building():
+            self.usage.save(self.memory.root)  # the counts so far survive a crash below
+            if not cfg.active:
+                return None
+            with self.exclusive(), self._write_lock:
+                rep = consolidate(self.memory, cfg, self.knn, self.usage, crash_at=crash_at)
+        retired = rep.retired
+        if retired["test"] or retired["budget"]:
+            log.info(
+                "consolidation: %d of %d entries re-tested failed (%d retired), %d retired "
+                "for the budget of %s; %d -> %d live",
+                rep.failed,
+                rep.examined,
+                retired["test"],
+                retired["budget"],
+                cfg.budget,
+                rep.live_before,
+                rep.live_after,
+            )
+        return rep.to_json() | {"usage": self.usage.totals()}
 
     def compact(self, *, crash_at: str | None = None) -> Compaction:
         """Remove forgotten documents' rows from the memory's storage

@@ -21,6 +21,8 @@ from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy
 from memlm.memory import Committed, MemoryBackend, Recovered, open_memory
+from memlm.memory.consolidation import ConsolidationConfig
+from memlm.memory.usage import Usage
 
 ENGINE_CRASH_POINTS = ("after_append",)  # entries durable, caller not yet told
 BUILD_LOCK = "build.lock"  # one index build (and training-set write) at a time
@@ -47,6 +49,7 @@ class EngineCore:
         tune_min_tokens: int = MIN_TUNE_TOKENS,
         memory_url: str | None = None,
         evidence: bool = False,
+        consolidation: ConsolidationConfig | None = None,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
@@ -55,7 +58,9 @@ class EngineCore:
         (memlm.calibrator.evidence; the service turns it on unless the settings fix
         lambda), not the constant ``knn``'s lambda; never with a grid that fixes lambda.
         ``memory_url``: ``MEMLM_MEMORY_URL`` (None or "faiss": the files under
-        ``data_dir``; ``milvus://host:port/collection``: a Milvus collection)."""
+        ``data_dir``; ``milvus://host:port/collection``: a Milvus collection).
+        ``consolidation``: what each build re-tests and the memory budget it keeps
+        (memlm.memory.consolidation; default: off)."""
         self.data_dir = Path(data_dir)
         self.readonly = readonly  # another process (the worker) writes; sync() follows it
         self.shared = shared  # one of several writer processes; they take turns to append
@@ -96,6 +101,9 @@ class EngineCore:
             evidence=evidence,
         )
         self.calibration.load_for(self.memory.root, self.served_version)
+        self.consolidation = consolidation or ConsolidationConfig()
+        # retrievals and hits per block of entries, counted from MoNIM's searches
+        self.usage = Usage.load(self.memory.root)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
         self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
 

@@ -20,6 +20,7 @@ from memlm.engine.tokens import TokensMixin
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
 from memlm.memory import stored_key_precision
+from memlm.memory.consolidation import ConsolidationConfig
 
 if TYPE_CHECKING:
     from memlm.engine.protocol import EngineLike
@@ -63,6 +64,7 @@ class Engine(
         device: str = "cpu",
         memory_url: str | None = None,
         evidence: bool = False,
+        consolidation: ConsolidationConfig | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -91,6 +93,7 @@ class Engine(
             tune_min_tokens=tune_min_tokens,
             memory_url=memory_url,
             evidence=evidence,
+            consolidation=consolidation,
         )
 
 

@@ -55,8 +55,10 @@ class IngestMixin(EngineCore):
         token_ids, out = self._encode(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
         if pol.needs_augmented:
-            scores, _, (dist, _, vals) = self._scores(out, served)
+            scores, _, (dist, ids, vals) = self._scores(out, served)
             search = (dist, vals)
+            # usage: the search MoNIM needs anyway, counted per block of entries
+            self.usage.add(ids, vals, out.targets)
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)

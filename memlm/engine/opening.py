@@ -43,6 +43,8 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
     from memlm.calibrator.heldout import HeldOutConfig
     from memlm.engine.facade import Engine  # heavy: torch, transformers, faiss
     from memlm.knnlm import KnnParams
+    from memlm.knnlm.policy import DEFAULT_DELTA
+    from memlm.memory.consolidation import ConsolidationConfig
 
     # A writer shares the data directory: other worker processes may append in turn.
     extra: dict[str, Any] = {"shared": True} if writer else {"readonly": True}
@@ -79,6 +81,12 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         memory_url=settings.memory_url,
         # lambda per token from the retrieval evidence, unless the settings fix lambda
         evidence=settings.knn_lambda is None,
+        consolidation=ConsolidationConfig(
+            sample=settings.consolidate_sample,
+            delta=DEFAULT_DELTA if settings.delta is None else settings.delta,
+            budget=settings.memory_budget_entries,
+            criterion=settings.budget_criterion,
+        ),
         **extra,
     )
     return engine

@@ -45,6 +45,8 @@ class RebuildInfo(BuildInfo):
     # what the compaction before the build removed (rows of forgotten documents)
     compaction: dict[str, int] = field(default_factory=dict)
     interpolation: dict[str, Any] = field(default_factory=dict)
+    # what the consolidation before the build retired, and why (None: it is off)
+    consolidation: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memlm.engine.core import EngineCore
+from memlm.memory.consolidation import read_last
 
 
 class StatsMixin(EngineCore):
@@ -22,6 +23,19 @@ class StatsMixin(EngineCore):
             "knn": {"k": self.knn.k, "temperature": self.knn.temperature, "lambda": self.knn.lmbda},
             "interpolation": self.served.to_json(),
             "calibrator": self._calibrator_stats(),
+            "consolidation": self._consolidation_stats(),
+        }
+
+    def _consolidation_stats(self) -> dict[str, Any]:
+        """The memory budget, what the last build's consolidation retired and why, and the
+        usage counts so far (``/admin/stats`` and the dashboard)."""
+        cfg = self.consolidation
+        return {
+            "sample": cfg.sample,
+            "budget": cfg.budget,
+            "criterion": cfg.criterion,
+            "last": read_last(self.memory.root),
+            "usage": self.usage.totals(),
         }
 
     def _calibrator_stats(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
 from memlm.evaluate.run import TrimeSpec
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
+from memlm.memory.consolidation import ConsolidationConfig
 
 
 @dataclass
@@ -68,11 +69,43 @@ class EvalConfig:
     # up to SECONDS for each document they have not written yet instead of encoding it
     follow_encode: float | None = None
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
+    # consolidating policies: "<policy>+cons" re-tests this many stored entries a night
+    # (memlm.memory.consolidation); "<policy>+budget" keeps at most ``budget`` entries,
+    # retiring first by ``budget_criterion`` (usage, redundancy, age, random)
+    consolidate_sample: int = 2048
+    budget: int | None = None
+    budget_criterion: str = "age"
 
     @property
     def resuming(self) -> bool:
         """Going on from checkpoints: ``--resume``, or ``--merge`` (which implies it)."""
         return self.resume or bool(self.merge_from)
+
+
+def policy_parts(name: str) -> tuple[str, bool, bool]:
+    """(base policy, consolidates, keeps a budget) of a policy name such as
+    ``monim+cons+budget``."""
+    base, *mods = name.split("+")
+    unknown = set(mods) - {"cons", "budget"}
+    if unknown:
+        raise ValueError(f"{name}: unknown modifiers {sorted(unknown)} (use +cons, +budget)")
+    return base, "cons" in mods, "budget" in mods
+
+
+def consolidation_of(name: str, cfg: EvalConfig) -> ConsolidationConfig | None:
+    """What a policy name asks of the nightly consolidation (None: nothing)."""
+    _, cons, budget = policy_parts(name)
+    if not (cons or budget):
+        return None
+    if budget and cfg.budget is None:
+        raise ValueError(f"{name}: give --budget")
+    return ConsolidationConfig(
+        sample=cfg.consolidate_sample if cons else 0,
+        delta=cfg.delta,
+        budget=cfg.budget if budget else None,
+        criterion=cfg.budget_criterion,  # type: ignore[arg-type]
+        seed=cfg.seed,
+    )
 
 
 def fixed_grid(grid: TuneGrid, cfg: EvalConfig) -> TuneGrid:

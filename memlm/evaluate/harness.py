@@ -17,7 +17,7 @@ from memlm.corpus import Document
 from memlm.encoder import Encoder
 from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
-from memlm.evaluate.config import EvalConfig, fixed_grid
+from memlm.evaluate.config import EvalConfig, consolidation_of, fixed_grid, policy_parts
 from memlm.evaluate.dedup import dedup_stream, screen_held_out
 from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
@@ -74,6 +74,7 @@ def _plan(
 
 
 def _policy(name: str, cfg: EvalConfig, runs: dict[str, PolicyRun]) -> Policy | None:
+    name = policy_parts(name)[0]
     if name == "bare":
         return None
     if name == "randmem":
@@ -238,9 +239,12 @@ def _evaluate(
     echo(f"encoded {cache.encoded_tokens} new tokens in {cache.encode_seconds:.0f} s (rest cached)")
 
     _check_resume(cfg, plans, out / "work")
-    order = [
-        p for p in ("fullmem", "monim", "monim-amt", "monim-kl", "randmem") if p in cfg.policies
-    ]
+    bases = ("fullmem", "monim", "monim-amt", "monim-kl", "randmem")
+    # each base's runs in this order (RandMem last: its rate may be MoNIM's), then as given
+    order = sorted(
+        (p for p in cfg.policies if policy_parts(p)[0] in bases),
+        key=lambda p: (bases.index(policy_parts(p)[0]), cfg.policies.index(p)),
+    )
     unknown = set(cfg.policies) - set(order) - {"bare"}
     if unknown:
         raise ValueError(f"unknown policies: {sorted(unknown)}")
@@ -286,6 +290,8 @@ def _evaluate(
             rescore=rescore if name in cfg.forgetting_policies else None,
             crash_at=cfg.crash_at[1] if cfg.crash_at and cfg.crash_at[0] == name else None,
             ood=ood,
+            name=name,
+            consolidation=consolidation_of(name, cfg),
         )
         runs[name] = run
         seconds[name] = time.perf_counter() - t0

@@ -95,6 +95,10 @@ class DayStats:
     search_seconds: float = 0.0
     # waiting for another process's encode (--follow-encode); not in the phases above
     wait_seconds: float = 0.0
+    # a consolidating policy (name +cons / +budget): the night's ConsolidationReport
+    # (memlm.memory.consolidation) and the seconds spent counting usage while ingesting
+    consolidation: dict[str, Any] | None = None
+    usage_seconds: float = 0.0
 
 
 @dataclass

@@ -88,6 +88,11 @@ def build_report(
                     "ingest_knn": ds_.ingest or None,
                 }
             )
+            if ds_.consolidation is not None:  # a +cons / +budget policy's night
+                rows[-1]["consolidation"] = ds_.consolidation
+                rows[-1]["usage_seconds"] = ds_.usage_seconds
+                # the share of the tokens seen so far that the memory holds now
+                rows[-1]["entries_share"] = ds_.entries / cum_seen if cum_seen else 0.0
             if ds_.stored_lm_alone is not None:
                 rows[-1]["stored_lm_alone"] = ds_.stored_lm_alone
                 rows[-1]["memrate_day_lm_alone"] = (

@@ -32,6 +32,9 @@ from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.index import IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, token_scores
+from memlm.memory.consolidation import ConsolidationConfig, consolidate
+from memlm.memory.faiss_backend import FaissMemory
+from memlm.memory.usage import Usage
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ def run_policy(
     rescore: Rescore | None = None,
     crash_at: int | None = None,
     ood: Mapping[str, Sequence[Document]] | None = None,
+    name: str | None = None,
+    consolidation: ConsolidationConfig | None = None,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
 
@@ -109,8 +114,11 @@ def run_policy(
     document of the plan is searched again against the memory of that evening (the
     learning and forgetting table).  ``crash_at``: raise after that day's checkpoint.
     ``ood``: out-of-domain documents searched against the memory after the last day.
+    ``consolidation``: re-test stored entries and keep a budget every evening before the
+    build (memlm.memory.consolidation), with the LM's log-probability of each stored token
+    (kept beside the datastore) and the usage counted from MoNIM's searches.
     """
-    name = policy.name if policy is not None else "bare"
+    name = name or (policy.name if policy is not None else "bare")
     state = checkpoint.load(workdir) if resume else None
     if state is None:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -135,11 +143,16 @@ def run_policy(
         )
     ds, index = _resume(workdir, cache, state)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
+    usage = Usage.load(workdir)
+    lm_path = workdir / "lm_logprob.npy"  # log p_LM of each entry's value, by entry id
+    lm_lp = list(np.load(lm_path)[: len(ds)]) if lm_path.exists() else []
     for day_index in range(len(state.days), len(plans)):
         plan = plans[day_index]
         t0, w0 = time.perf_counter(), cache.wait_seconds
         dnum = day_number(plan.day)
         day_seen = day_stored = day_alone = 0
+        usage_s = 0.0
+        night: dict[str, object] | None = None
         knn: KnnParams = state.served["params"]
         asked = {
             "k": knn.k,
@@ -161,7 +174,11 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if policy.needs_augmented:
-                dist, _, vals = index.search_values(o.keys, knn.k)
+                dist, nb_ids, vals = index.search_values(o.keys, knn.k)
+                if consolidation is not None:
+                    t_usage = time.perf_counter()
+                    usage.add(nb_ids, vals, o.targets)
+                    usage_s += time.perf_counter() - t_usage
                 lam = None
                 if evidence is not None:
                     qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
@@ -181,9 +198,24 @@ def run_policy(
                     o.positions[mask],
                     np.full(int(mask.sum()), dnum, np.int32),
                 )
+                lm_lp.extend(o.target_logprob[mask].astype(np.float32).tolist())
                 index.refresh()
             day_stored += int(mask.sum())
         t_build, w_build = time.perf_counter(), cache.wait_seconds
+        if consolidation is not None and policy is not None and len(ds) > 0:
+            lm_all = np.asarray(lm_lp, np.float64)
+            assert len(lm_all) == len(ds), (len(lm_all), len(ds))
+            rep = consolidate(
+                FaissMemory(ds, index),
+                consolidation,
+                knn,
+                usage,
+                state=workdir,
+                lm_logprob=lm_all.__getitem__,
+            )
+            night = rep.to_json() | {"usage": usage.totals()}
+            usage.save(workdir)
+            np.save(lm_path, lm_all.astype(np.float32))
         if policy is not None and len(ds) > 0:
             params = (
                 IndexParams.exact()
@@ -235,6 +267,8 @@ def run_policy(
             ),
             wait_seconds=round(cache.wait_seconds - w0, 3),
             stored_lm_alone=day_alone if policy is not None and policy.needs_augmented else None,
+            consolidation=night,
+            usage_seconds=round(usage_s, 3),
         )
         state.days.append(stats)
         state.datastore_len, state.index_version = len(ds), index.version

@@ -152,7 +152,7 @@ def _fill(
 
 def _live_ids(ds: Datastore, upto: int) -> npt.NDArray[np.int64]:
     ids = np.arange(upto, dtype=np.int64)
-    if not ds.num_deleted_documents or upto == 0:
+    if not (ds.num_deleted_documents or ds.num_retired) or upto == 0:
         return ids
     return ids[ds.live_mask(ids)]
 
@@ -338,11 +338,13 @@ def _incremental(
     if crash_at == "after_copy":
         raise SimulatedCrash(crash_at)
     # Ids the base holds that are no longer valid: a truncate since its snapshot replaced
-    # ids >= valid; below it, entries of documents forgotten (or rows compacted) since.
+    # ids >= valid; below it, entries of documents forgotten, entries retired by
+    # consolidation (or rows compacted) since: fewer live ids below ``valid`` than it holds.
     valid = min(base.upto, ds.unchanged_below(base.generation), stamp["upto"])
     t0 = time.perf_counter()
     removed = 0
-    if valid < base.upto or stamp["deleted_documents"] != base.deleted_documents:
+    died = int((live < valid).sum()) != base.entries
+    if valid < base.upto or stamp["deleted_documents"] != base.deleted_documents or died:
         keep = np.zeros(base.upto, dtype=bool)
         keep[live[live < valid]] = True
         dead = np.flatnonzero(~keep).astype(np.int64)

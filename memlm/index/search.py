@@ -136,9 +136,10 @@ class MemoryIndex:
 
     def _dead(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """True where a (valid, >= 0) id must not be served: its document is deleted or
-        hidden, or a compaction removed it."""
+        hidden, consolidation retired it, or a compaction removed it."""
         hidden = self._hidden
-        if not (self.datastore.num_deleted_documents or len(hidden)) or not ids.size:
+        ds = self.datastore
+        if not (ds.num_deleted_documents or ds.num_retired or len(hidden)) or not ids.size:
             return np.zeros(ids.shape, dtype=bool)
         return ~self.datastore.live_mask(ids, hidden).reshape(ids.shape)
 

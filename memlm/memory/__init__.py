@@ -19,6 +19,7 @@ from memlm.memory.base import (
     Neighbours,
     Provenance,
     Recovered,
+    Scanned,
 )
 from memlm.memory.url import MilvusURL, parse_memory_url
 
@@ -37,6 +38,7 @@ __all__ = [
     "Neighbours",
     "Provenance",
     "Recovered",
+    "Scanned",
     "SimulatedCrash",
     "open_faiss",
     "open_memory",

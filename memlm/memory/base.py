@@ -52,6 +52,15 @@ class Provenance(NamedTuple):
     days: npt.NDArray[np.int32]
 
 
+class Scanned(NamedTuple):
+    """Live entries read in id order by :meth:`MemoryBackend.scan`."""
+
+    ids: npt.NDArray[np.int64]  # (n,) ascending
+    keys: npt.NDArray[np.float32]  # (n, dim)
+    values: npt.NDArray[np.int32]  # (n,)
+    next_cursor: int  # where the next scan starts; 0 once the end was reached (wrapped)
+
+
 class Recovered(NamedTuple):
     """Entries the memory held before and after a start-up :meth:`MemoryBackend.recover`."""
 
@@ -91,6 +100,8 @@ class MemoryBackend(Protocol):
     name: str  # "faiss" or "milvus": what /admin/stats reports
     # where ``build(crash_at=...)`` may stop, in order (tests kill a build at each)
     build_crash_points: tuple[str, ...]
+    # where ``retire(crash_at=...)`` may stop (none where retiring is one idempotent call)
+    retire_crash_points: tuple[str, ...] = ()
 
     @property
     def dim(self) -> int: ...
@@ -168,6 +179,12 @@ class MemoryBackend(Protocol):
         ``delete_document`` (a forget accepted by another process)."""
         ...
 
+    def retire(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
+        """Consolidation's retirement of single entries: gone from every later search and
+        build, as a forgotten document's are. Returns how many of ``ids`` this newly
+        retired (ids not live now count 0: a retry after a crash counts nothing twice)."""
+        ...
+
     def compact(self, *, crash_at: str | None = None) -> Compaction:
         """Remove deleted documents' rows from storage. Default: nothing to do (a memory
         that compacts in ``build``)."""
@@ -194,6 +211,11 @@ class MemoryBackend(Protocol):
 
     def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
         """The k nearest live entries of each query (one batched call for all rows)."""
+        ...
+
+    def scan(self, cursor: int, limit: int) -> Scanned:
+        """Up to ``limit`` live entries with ids >= ``cursor``, in id order (consolidation
+        rotates through the memory with it; the work is bounded by ``limit``)."""
         ...
 
     def provenance(self, ids: npt.ArrayLike) -> Provenance:

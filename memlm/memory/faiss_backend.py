@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from memlm.datastore import Compaction, Datastore
+from memlm.datastore import RETIRE_CRASH_POINTS, Compaction, Datastore
 from memlm.index import (
     BUILD_CRASH_POINTS,
     INCREMENTAL_CRASH_POINTS,
@@ -30,6 +30,7 @@ from memlm.memory.base import (
     Neighbours,
     Provenance,
     Recovered,
+    Scanned,
 )
 from memlm.memory.versions import reconcile_versions
 
@@ -45,6 +46,7 @@ class FaissMemory(MemoryBackend):
 
     name = "faiss"
     build_crash_points = tuple(dict.fromkeys(BUILD_CRASH_POINTS + INCREMENTAL_CRASH_POINTS))
+    retire_crash_points = RETIRE_CRASH_POINTS
 
     def __init__(self, datastore: Datastore, index: MemoryIndex, *, shared: bool = False) -> None:
         self.datastore = datastore
@@ -171,6 +173,12 @@ class FaissMemory(MemoryBackend):
         (``MemoryIndex.hide_documents``)."""
         return self.index.hide_documents(list(doc_ids))
 
+    def retire(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
+        """The datastore's retired log (``Datastore.retire_entries``): filtered from every
+        search at once, removed from the index by the next build, from the disk by the
+        next compaction."""
+        return int(self.datastore.retire_entries(ids, crash_at=crash_at))
+
     def compact(self, *, crash_at: str | None = None) -> Compaction:
         with self.datastore.exclusive():
             done = self.datastore.compact(crash_at=crash_at)
@@ -203,6 +211,25 @@ class FaissMemory(MemoryBackend):
 
     def search(self, queries: npt.ArrayLike, k: int) -> Neighbours:
         return Neighbours(*self.index.search_values(queries, k))
+
+    def scan(self, cursor: int, limit: int) -> Scanned:
+        ds = self.datastore
+        total = len(ds)
+        start = cursor if 0 <= cursor < total else 0
+        found: list[npt.NDArray[np.int64]] = []
+        have, pos = 0, start
+        step = max(1024, limit)
+        while have < limit and pos < total:  # ids, not rows: retired gaps are skipped
+            ids = np.arange(pos, min(total, pos + step), dtype=np.int64)
+            ids = ids[ds.live_mask(ids)][: limit - have]
+            found.append(ids)
+            have += len(ids)
+            pos = int(ids[-1]) + 1 if have == limit else pos + step
+        ids = np.concatenate(found) if found else np.empty(0, np.int64)
+        keys = ds.keys(ids).astype(np.float32) if len(ids) else np.empty((0, self.dim), np.float32)
+        values = ds.values(ids) if len(ids) else np.empty(0, np.int32)
+        nxt = min(pos, total)
+        return Scanned(ids, keys, np.asarray(values, np.int32), 0 if nxt >= total else nxt)
 
     def provenance(self, ids: npt.ArrayLike) -> Provenance:
         docs, pos, days = self.datastore.provenance(np.asarray(ids, np.int64))
@@ -247,6 +274,7 @@ class FaissMemory(MemoryBackend):
             "datastore_entries": ds["entries"],
             "datastore_rows": ds["rows"],
             "deleted_documents": ds["deleted_documents"],
+            "retired_entries": ds["retired_entries"],
             "bytes_reclaimed": ds["bytes_reclaimed"],
             "bytes_on_disk": ds["bytes_on_disk"] + index_bytes,
             "bytes_in_ram": self._index_ram_bytes(idx),

@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from memlm.datastore import SimulatedCrash
 from memlm.index import FLAT_THRESHOLD, IndexParams
-from memlm.memory.base import Neighbours, Provenance, empty_neighbours
+from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
     Collection,
@@ -344,6 +344,20 @@ class MilvusCollection:
                 total += n
         return total
 
+    @mapped
+    def retire(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
+        """Delete single entries by id (one call: nothing to crash between, so
+        ``crash_at`` has no points here); returns how many were live."""
+        want = np.unique(np.asarray(ids, np.int64).reshape(-1))
+        total = 0
+        for a in range(0, len(want), 1000):
+            part = want[a : a + 1000].tolist()
+            n = self._count(f"id in {part}")
+            if n:
+                self._delete_expr(f"id in {part}")
+                total += n
+        return total
+
     # --- reading ---------------------------------------------------------------------------
 
     def _count(self, expr: str = "") -> int:
@@ -497,6 +511,26 @@ class MilvusCollection:
                 out.ids[a + r, :w] = ids[:w]
                 out.values[a + r, :w] = vals[:w]
         return out
+
+    @mapped
+    def scan(self, cursor: int, limit: int) -> Scanned:
+        """Live entries with ids >= ``cursor``, in id order (a query with a limit returns
+        the smallest primary keys, as pymilvus's query iterator relies on)."""
+        rows = self._read(
+            lambda coll: coll.query(
+                f"id >= {max(0, int(cursor))}",
+                limit=int(limit),
+                output_fields=["id", "value", "key"],
+                consistency_level="Strong",
+                timeout=self.timeout,
+            )
+        )
+        rows = sorted(rows, key=lambda r: int(r["id"]))
+        ids = np.array([int(r["id"]) for r in rows], np.int64)
+        keys = np.array([r["key"] for r in rows], np.float32).reshape(-1, self.dim)
+        values = np.array([r["value"] for r in rows], np.int32)
+        nxt = int(ids[-1]) + 1 if len(ids) == limit and len(ids) else 0
+        return Scanned(ids, keys, values, nxt)
 
     @mapped
     def provenance(self, ids: npt.ArrayLike) -> Provenance:

@@ -245,6 +245,7 @@ def builds(rows: Sequence[dict[str, Any]]) -> list[BuildRow]:
                 calibrator=calibrator_summary(params.get("calibrator")),
                 interpolation=params.get("interpolation"),
                 sizes=params.get("sizes"),
+                consolidation=params.get("consolidation"),
             )
         )
     return out

@@ -39,6 +39,7 @@ def build_out(b: IndexBuild) -> BuildOut:
     data["calibrator"] = params.pop("calibrator", None)
     data["interpolation"] = params.pop("interpolation", None)
     data["sizes"] = params.pop("sizes", None)
+    data["consolidation"] = params.pop("consolidation", None)
     data["params"] = params or None
     return BuildOut.model_validate(data)
 

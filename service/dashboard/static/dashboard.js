@@ -255,6 +255,15 @@
     body.appendChild(tr);
   }
 
+  // what a build's consolidation retired: re-tested entries that would not be stored
+  // today, and entries retired to keep the memory budget
+  function retired(c) {
+    if (!c) return "–";
+    var r = c.retired || {};
+    return num(r.test || 0) + " / " + num(r.budget || 0) + (c.budget !== null && c.budget !== undefined
+      ? " (budget " + num(c.budget) + ", " + c.criterion + ")" : "") + ", " + num(c.examined) + " re-tested";
+  }
+
   function builds(d) {
     var b = d.builds, done = b.filter(function (r) { return r.status === "done"; }).slice().reverse();
     var table = $("builds-table"), body = table.tBodies[0];
@@ -281,7 +290,7 @@
       var ppl = it && it.bare_ppl !== null && it.ppl !== null ? fixed(it.bare_ppl, 2) + " → " + fixed(it.ppl, 2) : "–";
       row(body, [r.version === null ? "–" : "v" + r.version, r.status + (r.error ? ": " + r.error : ""), r.requested_by,
         time(r.finished_at), fixed(r.seconds, 2), num(r.entries), bytes(sizes.bytes_on_disk), interp, ppl,
-        r.calibrator || "–"]);
+        r.calibrator || "–", retired(r.consolidation)]);
     });
     table.hidden = false;
   }
@@ -303,6 +312,13 @@
       dd.textContent = v;
       dl.appendChild(dt);
       dl.appendChild(dd);
+    }
+    var cons = s.consolidation;
+    if (cons) {
+      fact("memory budget", (cons.budget === null ? "none" : num(cons.budget) + " entries, retiring by " + cons.criterion) +
+        "; " + num(cons.sample) + " entries re-tested a build" +
+        (cons.last ? "; last build retired " + num(cons.last.retired.test) + " (would not be stored today) and " +
+          num(cons.last.retired.budget) + " (budget)" : ""));
     }
     fact("lambda set by", it.lambda_source === "calibrator" ? "the calibrator (it beat the evidence)"
       : it.lambda_source === "evidence" ? "the retrieval evidence, per token" : "the constant (MEMLM_KNN_LAMBDA)");

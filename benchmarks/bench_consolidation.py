@@ -1,0 +1,80 @@
+"""What one night's consolidation costs on a faiss memory of N entries (synthetic keys):
+the re-test of ``--sample`` entries and a budget's retirement, against the build.
+
+    python benchmarks/bench_consolidation.py --entries 100000 --sample 4096 --threads 1
+
+Keys: 1,000 Gaussian clusters in 576 dimensions (as bench_index.py), each cluster's
+entries sharing one of 5 values, so that some entries are redundant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from memlm.knnlm import KnnParams
+from memlm.memory.consolidation import ConsolidationConfig, consolidate
+from memlm.memory.faiss_backend import FaissMemory
+from memlm.memory.usage import Usage
+
+DIM = 576
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--sample", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    faiss.omp_set_num_threads(a.threads)
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((1000, DIM)).astype(np.float32) * 2
+    cluster = rng.integers(0, 1000, a.entries)
+    values = (cluster * 5 + rng.integers(0, 5, a.entries)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        mem = FaissMemory.open(Path(tmp), DIM)
+        t0 = time.perf_counter()
+        for lo in range(0, a.entries, 50_000):
+            c = cluster[lo : lo + 50_000]
+            keys = centres[c] + rng.standard_normal((len(c), DIM)).astype(np.float32)
+            mem.put_document(lo, keys, values[lo : lo + len(c)], np.arange(len(c)), 19000)
+        t_fill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        info = mem.build()
+        mem.reload()
+        t_build = time.perf_counter() - t0
+        params = KnnParams(k=64, temperature=5.0, lmbda=0.25)
+        usage = Usage()
+        cfg = ConsolidationConfig(sample=a.sample)
+        rep = consolidate(mem, cfg, params, usage)
+        budget = ConsolidationConfig(sample=0, budget=a.entries - a.sample, criterion="usage")
+        rep_b = consolidate(mem, budget, params, usage)
+        age = ConsolidationConfig(sample=0, budget=a.entries - 2 * a.sample, criterion="age")
+        rep_a = consolidate(mem, age, params, usage)
+        t0 = time.perf_counter()
+        mem.compact()
+        info2 = mem.build()
+        t_build2 = time.perf_counter() - t0
+        print(f"entries {a.entries:,}, index {info.params.kind} nlist {info.params.nlist}")
+        print(f"fill {t_fill:.1f} s, full build {t_build:.1f} s")
+        print(
+            f"re-test of {rep.examined:,}: {rep.seconds:.1f} s "
+            f"({1000 * rep.seconds / max(1, rep.examined):.2f} ms an entry), "
+            f"{rep.retired['test']:,} retired"
+        )
+        print(f"usage budget, {rep_b.retired['budget']:,} retired: {rep_b.seconds:.1f} s")
+        print(f"age budget, {rep_a.retired['budget']:,} retired: {rep_a.seconds:.1f} s")
+        print(
+            f"compaction + incremental build after: {t_build2:.1f} s "
+            f"({info2.mode}, removed {info2.removed:,})"
+        )
+        mem.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Consolidation at the nightly build: re-test a bounded window of stored entries against
+today's memory and retire those that would not be stored today; then keep the memory
+budget by retiring what costs least.
+
+Bounded work: each night reads ``sample`` live entries from a cursor persisted under the
+memory's root (``consolidation.json``, temp + ``os.replace``) and moves it on, wrapping
+at the end, so the whole memory is re-tested once every ``live / sample`` nights and a
+night's cost does not grow with the memory. The budget step reads the excess beyond the
+budget (itself about one day of ingest) from the memory's first ids under ``age``, and
+twice the excess from the cursor on, scored like the window, under the other criteria.
+
+Retiring is ``MemoryBackend.retire`` (faiss: the datastore's retired log, filtered from
+every search at once and removed by the build's compaction, like a forgotten document;
+Milvus: deleted by id). Crash safety: the cursor moves only after the retirement is
+committed; a crash before that re-tests the same window next time, where the entries
+already retired are no longer live, so nothing is counted twice (a crashed night's
+retirements are counted in no build record: an under-count, never a double one). A
+forget racing consolidation: retiring an entry of a forgotten document counts 0 and
+brings nothing back (both are deletions).
+
+The test is ``memlm.knnlm.consolidate``; what the budget retires first is ``criterion``:
+``age`` (oldest ids first: the default, because it measured best on slice20,
+docs/results/slice20-consolidate), ``usage`` (fewest hits of its block,
+``memlm.memory.usage``, then most redundant), ``redundancy`` (highest leave-one-out
+log-probability today) or ``random``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from memlm.datastore import SimulatedCrash
+from memlm.knnlm import KnnParams
+from memlm.knnlm.consolidate import leave_one_out, retire_in_turn, todays_logprob
+from memlm.knnlm.policy import DEFAULT_DELTA
+from memlm.memory.base import MemoryBackend
+from memlm.memory.usage import Usage
+
+STATE_FILE = "consolidation.json"
+LAST_FILE = "consolidation-last.json"  # the last night's report (``/admin/stats``)
+# Where ``consolidate(crash_at=...)`` stops, in order.
+CONSOLIDATE_CRASH_POINTS = (
+    "consolidate_after_test",  # the window tested, nothing retired
+    "consolidate_after_retire",  # the failures retired, the cursor not moved
+    "consolidate_after_budget",  # the budget's retirements done, the cursor moved
+)
+Criterion = Literal["usage", "redundancy", "age", "random"]
+
+
+@dataclass(frozen=True)
+class ConsolidationConfig:
+    """What the nightly consolidation does (``Settings``: MEMLM_CONSOLIDATE_*,
+    MEMLM_MEMORY_BUDGET_ENTRIES)."""
+
+    # entries re-tested a night; 0: no re-test (the budget alone). 4096 searches are
+    # ~30 s on one CPU thread at k=64 (about what 6 documents of ingest cost)
+    sample: int = 0
+    delta: float = DEFAULT_DELTA  # MoNIM's threshold, the one the policy stores with
+    budget: int | None = None  # live entries kept after a build; None: no budget
+    criterion: Criterion = "age"  # measured best on slice20 (Settings.budget_criterion)
+    seed: int = 0  # the random criterion's
+
+    @property
+    def active(self) -> bool:
+        return self.sample > 0 or self.budget is not None
+
+
+@dataclass
+class ConsolidationReport:
+    """What one night's consolidation did (the build record's ``consolidation``)."""
+
+    examined: int = 0  # entries re-tested
+    failed: int = 0  # of them, would not be stored today
+    retired: dict[str, int] = field(default_factory=lambda: {"test": 0, "budget": 0})
+    cursor: tuple[int, int] = (0, 0)  # (from, to)
+    wrapped: bool = False  # the window reached the end of the memory
+    budget: int | None = None
+    criterion: str = "age"
+    live_before: int = 0
+    live_after: int = 0
+    seconds: float = 0.0
+    # hits and retrievals (of their blocks) of what was retired, per reason
+    retired_usage: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["cursor"] = list(self.cursor)
+        return out
+
+
+def _crash(crash_at: str | None, point: str) -> None:
+    if crash_at == point:
+        raise SimulatedCrash(f"consolidation: {point}")
+
+
+def read_cursor(root: Path) -> int:
+    path = root / STATE_FILE
+    if not path.exists():
+        return 0
+    return int(json.loads(path.read_text(encoding="utf-8")).get("cursor", 0))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_cursor(root: Path, cursor: int) -> None:
+    _write_json(root / STATE_FILE, {"cursor": int(cursor)})
+
+
+def read_last(root: Path) -> dict[str, Any] | None:
+    """The last night's report saved by ``consolidate`` (None before the first)."""
+    path = root / LAST_FILE
+    if not path.exists():
+        return None
+    out: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return out
+
+
+def score_today(
+    memory: MemoryBackend,
+    ids: npt.NDArray[np.int64],
+    keys: npt.NDArray[np.float32],
+    values: npt.NDArray[np.int32],
+    params: KnnParams,
+    lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None = None,
+) -> np.ndarray:
+    """(n,) log p(value) of each stored entry under today's memory with itself left out."""
+    if not len(ids):
+        return np.empty(0)
+    nb = memory.search(keys, params.k + 1)
+    n_ids, n_d, n_v = leave_one_out(ids, nb.ids, nb.distances, nb.values, params.k)
+    lm = None if lm_logprob is None else lm_logprob(ids)
+    return todays_logprob(values, n_ids, n_d, n_v, params, lm)
+
+
+def _rank(
+    cfg: ConsolidationConfig, ids: np.ndarray, lp: np.ndarray, usage: Usage
+) -> npt.NDArray[np.intp]:
+    """Order in which the budget retires the pool: what costs least first."""
+    if cfg.criterion == "random":
+        return np.random.default_rng([cfg.seed, len(ids)]).permutation(len(ids))
+    if cfg.criterion == "redundancy":
+        return np.lexsort((ids, -lp))
+    hits, _ = usage.of(ids)
+    return np.lexsort((ids, -lp, hits))  # fewest hits, then most redundant, then oldest
+
+
+def _pool(
+    memory: MemoryBackend,
+    root: Path,
+    ids: npt.NDArray[np.int64],
+    lp: np.ndarray,
+    want: int,
+    live: int,
+    params: KnnParams,
+    lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None,
+) -> tuple[npt.NDArray[np.int64], np.ndarray]:
+    """The budget's candidates: the night's re-tested survivors, then entries read (and
+    scored) from the cursor on until ``want`` of them, or the whole memory once."""
+    pos, seen = read_cursor(root), 0
+    while len(ids) < want and seen < live:
+        sc = memory.scan(pos, want - len(ids))
+        if not len(sc.ids) and pos == 0:
+            break  # nothing live at all
+        seen += len(sc.ids)
+        new = ~np.isin(sc.ids, ids)
+        more = score_today(memory, sc.ids[new], sc.keys[new], sc.values[new], params, lm_logprob)
+        ids, lp = np.concatenate([ids, sc.ids[new]]), np.concatenate([lp, more])
+        pos = sc.next_cursor
+    return ids, lp
+
+
+def consolidate(
+    memory: MemoryBackend,
+    cfg: ConsolidationConfig,
+    params: KnnParams,
+    usage: Usage,
+    *,
+    state: Path | None = None,
+    lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None = None,
+    crash_at: str | None = None,
+) -> ConsolidationReport:
+    """One night's consolidation of ``memory`` (the caller holds the build lock and is
+    the memory's writer). ``state``: where the cursor lives (default: the memory's root).
+    ``lm_logprob``: log p_LM of each entry's value, where known (``todays_logprob``)."""
+    if crash_at is not None and crash_at not in CONSOLIDATE_CRASH_POINTS:
+        raise ValueError(f"crash_at must be one of {CONSOLIDATE_CRASH_POINTS}, got {crash_at!r}")
+    t0 = time.perf_counter()
+    root = state or memory.root
+    rep = ConsolidationReport(budget=cfg.budget, criterion=cfg.criterion)
+    rep.live_before = memory.count()
+    start = read_cursor(root)
+    pool_ids = np.empty(0, np.int64)
+    pool_lp = np.empty(0)
+    if cfg.sample > 0:
+        sc = memory.scan(start, cfg.sample)
+        fail, lp = np.zeros(0, dtype=bool), np.empty(0)
+        if len(sc.ids):
+            # 2k + 1 neighbours: the entry itself and a margin for retired ones
+            nb = memory.search(sc.keys, 2 * params.k + 1)
+            lm = None if lm_logprob is None else lm_logprob(sc.ids)
+            fail, lp = retire_in_turn(
+                sc.ids, sc.values, nb.ids, nb.distances, nb.values, params, cfg.delta, lm
+            )
+        rep.examined, rep.failed = len(sc.ids), int(fail.sum())
+        _crash(crash_at, "consolidate_after_test")
+        rep.retired["test"] = memory.retire(sc.ids[fail]) if fail.any() else 0
+        rep.retired_usage["test"] = [int(x.sum()) for x in usage.of(sc.ids[fail])]
+        _crash(crash_at, "consolidate_after_retire")
+        rep.cursor, rep.wrapped = (start, sc.next_cursor), sc.next_cursor == 0
+        write_cursor(root, sc.next_cursor)
+        pool_ids, pool_lp = sc.ids[~fail], lp[~fail]
+    live = memory.count()
+    if cfg.budget is not None and live > cfg.budget:
+        excess = live - cfg.budget
+        if cfg.criterion == "age":  # the oldest live entries: the first ids, nothing to score
+            chosen = memory.scan(0, excess).ids
+        else:
+            pool_ids, pool_lp = _pool(
+                memory, root, pool_ids, pool_lp, 2 * excess, live, params, lm_logprob
+            )
+            chosen = pool_ids[_rank(cfg, pool_ids, pool_lp, usage)[:excess]]
+        rep.retired["budget"] = memory.retire(chosen)
+        rep.retired_usage["budget"] = [int(x.sum()) for x in usage.of(chosen)]
+        _crash(crash_at, "consolidate_after_budget")
+    rep.live_after = memory.count()
+    rep.seconds = round(time.perf_counter() - t0, 3)
+    _write_json(root / LAST_FILE, rep.to_json())
+    return rep

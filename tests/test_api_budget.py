@@ -1,0 +1,56 @@
+"""The memory budget through the service: settings -> worker build -> build record,
+/admin/stats (issue 35)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.test_api_engine import OTHER, TEXT, _env
+
+BUDGET = 40
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    from memlm.encoder import Encoder
+
+    return Encoder.load("tiny-llama", threads=1)
+
+
+def test_the_build_keeps_the_budget_and_says_what_it_retired(
+    tmp_path: Path, sqlite_url: str, tiny: Any
+) -> None:
+    settings = make_settings(
+        tmp_path,
+        sqlite_url,
+        model="tiny-llama",
+        knn_lambda=0.25,
+        consolidate_sample=64,
+        memory_budget_entries=BUDGET,
+    )
+    for env in _env(settings, tiny):
+        c = env.client
+        texts = [TEXT, OTHER, TEXT + " It said so again.", OTHER + " More snow fell."]
+        c.post("/ingest", headers=INGEST, json={"documents": [doc(t) for t in texts]})
+        assert env.drain() == 4
+        stored = env.engine.memory.count()
+        assert stored > BUDGET
+        build = c.post("/admin/rebuild", headers=ADMIN).json()
+        assert env.drain() == 1
+        env.sync()
+        build = c.get(f"/admin/builds/{build['id']}", headers=ADMIN).json()
+        cons = build["consolidation"]
+        assert build["status"] == "done" and build["entries"] == env.engine.memory.count()
+        assert build["entries"] <= BUDGET and cons["budget"] == BUDGET
+        assert cons["criterion"] == "age" and cons["examined"] == min(64, stored)
+        retired = cons["retired"]["test"] + cons["retired"]["budget"]
+        assert retired == stored - build["entries"] and cons["retired"]["budget"] > 0
+        stats = c.get("/admin/stats", headers=ADMIN).json()
+        assert stats["entries"] == build["entries"]
+        assert stats["consolidation"]["budget"] == BUDGET
+        assert stats["consolidation"]["last"]["retired"] == cons["retired"]
+        assert stats["consolidation"]["usage"]["retrievals"] > 0
