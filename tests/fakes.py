@@ -197,6 +197,14 @@ class FakeEngine:
         with self._lock:
             yield
 
+    # why the memory cannot be searched (a test sets it; None: it can), and how often asked
+    memory_away: str | None = None
+    memory_probes: int = 0
+
+    def memory_unavailable(self) -> str | None:
+        self.memory_probes += 1
+        return self.memory_away
+
     @contextlib.contextmanager
     def building(self, timeout: float | None = None) -> Iterator[None]:
         if not self._build.acquire(timeout=-1 if timeout is None else timeout):

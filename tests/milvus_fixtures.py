@@ -81,10 +81,19 @@ def milvus_url(milvus_server: EmbeddedMilvus) -> Iterator[str]:
         warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
         from pymilvus import connections, utility
 
+    from memlm.memory.milvus_generations import generation_of
+
     alias = f"cleanup-{name}"
     connections.connect(alias=alias, host=milvus_server.host, port=milvus_server.port)
     try:
-        if utility.has_collection(name, using=alias):
-            utility.drop_collection(name, using=alias)
+        # the memory's alias, then every generation of it (milvus_generations)
+        mine = [
+            n for n in utility.list_collections(using=alias) if generation_of(name, n) is not None
+        ]
+        for n in mine:
+            for a in utility.list_aliases(n, using=alias):
+                utility.drop_alias(a, using=alias)
+        for n in mine:
+            utility.drop_collection(n, using=alias)
     finally:
         connections.disconnect(alias)

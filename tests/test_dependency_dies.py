@@ -222,3 +222,62 @@ def test_memory_unavailable_answers_503_and_makes_the_worker_wait(
         assert w.unavailable_streak == 1
     finally:
         w.lock.release()
+
+
+def test_the_worker_waits_without_claiming_while_the_memory_cannot_be_searched(
+    tmp_path: Path, sqlite_url: str, make_sessions: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a try failed because the memory was away, the worker asks the memory before
+    it claims again: while it cannot be searched, nothing is claimed nor encoded (the
+    document keeps its one counted try), each wait is counted and the backoff grows;
+    once it can, the document is memorised."""
+    from memlm.db.repositories import DocumentRepository, NewDocument
+    from memlm.unavailable import MemoryUnavailable
+    from tests.fakes import FakeEngine
+    from workers.ingest import IngestWorker, Processed, Waiting
+
+    settings = make_settings(
+        tmp_path, sqlite_url, ingest_retry_backoff_seconds=0.5, ingest_retry_backoff_max_seconds=60
+    )
+    engine = FakeEngine()
+    prepared: list[int] = []
+    prepare = engine.prepare_document
+
+    def counted(doc_id: int, *a: Any, **kw: Any) -> Any:
+        prepared.append(doc_id)
+        return prepare(doc_id, *a, **kw)
+
+    def away(*_: Any, **__: Any) -> Any:
+        raise MemoryUnavailable("the Milvus collection m__g0001 is NotLoad")
+
+    monkeypatch.setattr(engine, "prepare_document", counted)
+    monkeypatch.setattr(engine, "store_document", away)
+    sessions = make_sessions(sqlite_url)
+    with sessions.begin() as s:
+        [acc] = DocumentRepository(s).add_many(
+            [NewDocument(text="the a of and", published_at=dt.date(2017, 2, 7), source="t")]
+        )
+    w = IngestWorker(engine, sessions, settings)
+    w.start(timeout=1)
+    try:
+        assert engine.memory_probes == 0  # nothing failed yet: no question asked
+        assert w.step() == Processed(acc.id, "retrying")
+        engine.memory_away = "the Milvus collection m__g0001 is NotLoad"
+        with sessions.begin() as s:  # due again now: only the memory keeps it waiting
+            DocumentRepository(s).get(acc.id).retry_at = None
+        assert [w.step(), w.step()] == [
+            Waiting(engine.memory_away, 2),
+            Waiting(engine.memory_away, 3),
+        ]
+        assert (w.memory_waits, engine.memory_probes, prepared) == (2, 2, [acc.id])
+        assert w._pause(0.0) == 2.0  # 0.5 s * 2**(3 - 1): the backoff grew with the waits
+        with sessions() as s:
+            d = s.get(Document, acc.id)
+            assert d is not None and (d.status, d.attempts) == ("pending", 1)
+        engine.memory_away = None
+        monkeypatch.undo()
+        out = w.step()
+        assert isinstance(out, Processed) and (out.document_id, out.status) == (acc.id, "done")
+        assert (w.unavailable_streak, w.memory_waits) == (0, 2)
+    finally:
+        w.lock.release()

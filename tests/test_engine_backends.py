@@ -238,3 +238,74 @@ def test_a_build_killed_at_each_crash_point_leaves_the_previous_version_served(
         assert engine.predict(CONTEXT, top_n=5, neighbours=4) == answer, point
     info = engine.rebuild()
     assert (info.version, info.entries, engine.served_version) == (2, engine.memory.count(), 2)
+
+
+def test_predicts_never_fail_while_a_retraining_build_replaces_the_index(
+    tmp_path: Path, tiny: Any, memory_url: str | None, opened: list[Engine], sqlite_url: str
+) -> None:
+    """4 clients hammer POST /predict (a real uvicorn) while a build trains another index
+    (flat -> IVF-PQ, ``retrain``): no request fails. On Milvus, before the blue-green
+    switch, the collection was released for the whole re-creation and the predicts
+    answered 500 "collection not loaded". (A 429 is the admission's answer to load, not a
+    failure: a client retries it after its Retry-After, as these do; it is counted.)"""
+    import threading
+    import time
+
+    import httpx
+
+    from memlm.memory import IndexParams
+    from tests.service_helpers import serve
+
+    engine = _open(tmp_path / "data", tiny, memory_url)
+    opened.append(engine)
+    for i, t in enumerate(TEXTS):
+        engine.process_document(i + 1, t, DAY + i // 3)
+    assert engine.rebuild().version == 1  # flat: the index a retraining build replaces
+    settings = make_settings(tmp_path, sqlite_url, model="tiny-llama", memory_url=memory_url)
+    app = create_app(settings, engine=engine, run_worker=False, poll=False)
+    answers: list[tuple[float, int, str]] = []  # (when it ended, status, body if not 200)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(base: str, n: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            while not stop.is_set():
+                r = c.post("/predict", json={"context": TEXTS[n][:60], "top_n": 5})
+                with lock:
+                    answers.append(
+                        (time.monotonic(), r.status_code, "" if r.is_success else r.text)
+                    )
+
+    # 4 lists and 4 bytes a code (keys of 32 floats); nprobe = nlist: every list scanned
+    ivfpq = IndexParams(kind="ivfpq", nlist=4, m=4, nbits=8, nprobe=4, train_size=433)
+    with serve(app) as base:
+        with httpx.Client(base_url=base, timeout=60) as c:  # the admission times a first one
+            assert c.post("/predict", json={"context": CONTEXT}).status_code == 200
+        clients = [threading.Thread(target=client, args=(base, n)) for n in range(4)]
+        for t in clients:
+            t.start()
+        try:
+            time.sleep(0.5)  # every client under way before the build starts
+            t0 = time.monotonic()
+            info = engine.rebuild(params=ivfpq, retrain=True)
+            t1 = time.monotonic()
+            time.sleep(0.5)  # and after it: the first searches of the new index
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(timeout=60)
+    assert (info.version, info.mode, engine.memory.served_version) == (2, "full", 2)
+    during = [a for a in answers if t0 <= a[0] <= t1]
+    failed = [a for a in answers if a[1] not in (200, 429)]
+    refused = sum(a[1] == 429 for a in answers)
+    print(
+        f"predicts: {len(answers)}, {len(during)} during the {t1 - t0:.1f} s build; "
+        f"failed: {len(failed)}; 429 (retried): {refused}"
+    )
+    assert len(during) >= 4, (len(during), t1 - t0)  # the clients did hammer the build
+    assert failed == [], failed[:3]
+    # the new index serves the same entries: the memorised continuation is still first
+    pos, token = _next_token(engine)
+    first = engine.predict(CONTEXT, top_n=5, neighbours=4).neighbours[0]
+    assert (first.doc_id, first.position, first.token_id) == (DOC, pos, token)
+    assert engine.memory.count() == 433

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,7 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
     """Milvus 2.3 sometimes refuses the compaction after a flush; the build goes on. And
     pymilvus stops waiting for an index only at an int timeout: a float would never fire."""
     from memlm.memory.milvus_backend import MilvusException
+    from memlm.memory.milvus_client import Collection
 
     rng = np.random.default_rng(4)
     mem = open_milvus(milvus_url, DIM)
@@ -150,14 +153,17 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
             raise MilvusException(message="segment in flushed state not found")
 
         timeouts: list[object] = []
-        create = mem.collection.create_index
+        create = Collection.create_index
 
-        def record(*a: object, **kw: object) -> object:
+        def record(coll: Collection, *a: object, **kw: object) -> object:
             timeouts.append(kw.get("timeout"))
-            return create(*a, **kw)
+            return create(coll, *a, **kw)
 
         monkeypatch.setattr(mem.collection, "compact", refuse)
-        monkeypatch.setattr(mem.collection, "create_index", record)
+        # in place (the index stays FLAT): the refused compaction is skipped
+        info = mem.build_index()
+        assert (info["index_recreated"], info["entries"]) == (False, 2000)
+        monkeypatch.setattr(Collection, "create_index", record)
         params = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=2000)
         info = mem.build_index(params)
         assert info["index_recreated"] is True and info["entries"] == 2000
@@ -165,4 +171,169 @@ def test_build_survives_a_refused_compaction_and_bounds_its_index_wait(
         _, ids, _ = mem.search(keys[:5], 1)  # loaded and searchable after the build
         assert ids[:, 0].tolist() == entry_ids(docs[:5], pos[:5]).tolist()
     finally:
+        mem.close()
+
+
+IVFPQ = IndexParams(kind="ivfpq", nlist=16, m=4, nprobe=16, train_size=2000)
+
+
+def _generations(mem: object) -> list[str]:
+    from memlm.memory.milvus_generations import generations
+
+    return generations(mem.base, mem.alias, mem.timeout)  # type: ignore[attr-defined]
+
+
+def test_writes_and_forgets_during_the_copy_reach_the_new_generation(
+    milvus_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that re-creates the index copies the served generation into the next one
+    while another process writes: its new document is in the new generation when the
+    alias switches, and a document it forgot after the copy read its rows (and before the
+    copy wrote them) does not come back."""
+    rng = np.random.default_rng(5)
+    mem = open_milvus(milvus_url, DIM, root=tmp_path / "index")
+    other = open_milvus(milvus_url, DIM)  # another process's writer
+    try:
+        held = {d: _entries(rng, d, 2000) for d in (1, 2, 3)}
+        for d, (keys, vals, _, pos, _) in held.items():
+            mem.put_document(d, keys, vals, pos, 7)
+        assert mem.build().version == 1  # flat, in place
+        old = mem.collection.name
+        late = _entries(rng, 4, 300)
+        pages = mem._pages
+        seen: list[int] = []
+
+        def interleaved(coll: object, batch_size: int = 2048) -> object:
+            for i, page in enumerate(pages(coll, batch_size)):  # type: ignore[arg-type]
+                if i == 0:  # document 1's rows read from the old generation, not yet written
+                    assert set(page[2].tolist()) >= {1}
+                    other.put_document(4, late[0], late[1], late[3], 7)
+                    assert other.delete_document(1) == 2000
+                seen.append(len(page[1]))
+                yield page
+
+        monkeypatch.setattr(mem, "_pages", interleaved)
+        info = mem.build(IVFPQ, retrain=True)
+        new = mem.collection.name
+        assert (info.version, info.mode, new != old) == (2, "full", True)
+        assert _generations(mem) == [new]  # the old generation is dropped
+        assert info.details["collection"] == new and info.details["previous_collection"] == old
+        # document 1's rows were written by the copy after the forget, then deleted again
+        assert (info.details["copied"], info.details["removed_after_copy"]) == (sum(seen), 2000)
+        # the copy pages by id: the later pages read document 4 too (written to both)
+        assert seen == [2048, 2048, 1904, 300]
+        assert mem.documents().tolist() == [2, 3, 4]
+        assert mem.count() == 4300
+        assert mem.stats()["index"]["kind"] == "ivfpq"
+        # the other process follows the switch and writes to the new generation
+        other.put_document(5, *_entries(rng, 5, 10)[:2], np.arange(10), 7)
+        assert other.count() == mem.count() == 4310
+        # document 1's keys find no document 1 entry (nprobe == nlist: exact lists)
+        _, ids, _ = mem.search(held[1][0][:20], 4)
+        assert not np.isin(ids >> 24, [1]).any()
+    finally:
+        other.close()
+        mem.close()
+
+
+@pytest.mark.parametrize("point", ["after_copy", "after_switch"])
+def test_a_build_killed_during_the_swap_leaves_the_recorded_collection_served(
+    milvus_url: str, tmp_path: Path, point: str
+) -> None:
+    """Killed with the new generation filled (not named) or named (not recorded): the next
+    start's reconcile serves the collection of the recorded version again and drops the
+    other one."""
+    from memlm.memory import SimulatedCrash
+
+    rng = np.random.default_rng(6)
+    root = tmp_path / "index"
+    mem = open_milvus(milvus_url, DIM, root=root)
+    keys, vals, _, pos, _ = _entries(rng, 1, 2000)
+    try:
+        mem.put_document(1, keys, vals, pos, 7)
+        assert mem.build().version == 1
+        served = mem.collection.name
+        with pytest.raises(SimulatedCrash):
+            mem.build(IVFPQ, retrain=True, crash_at=point)
+        assert len(_generations(mem)) == 2  # the killed build's generation is left
+    finally:
+        mem.close()
+    again = open_milvus(milvus_url, DIM, root=root)
+    try:
+        # a new process serves what the alias names: the new generation after the switch
+        assert (again.collection.name == served) == (point == "after_copy")
+        assert again.reconcile({1}, delete=True) == []
+        assert (again.served_version, again.collection.name) == (1, served)
+        assert _generations(again) == [served]
+        assert (again.count(), again.params.kind) == (2000, "flat")
+        _, ids, _ = again.search(keys[:5], 1)
+        assert ids[:, 0].tolist() == entry_ids(np.full(5, 1), pos[:5]).tolist()
+        assert again.build(IVFPQ, retrain=True).version == 2  # and the next build works
+        assert _generations(again) == [again.collection.name] != [served]
+    finally:
+        again.close()
+
+
+def test_a_collection_not_loaded_is_unavailable_with_a_reason(milvus_url: str) -> None:
+    """An operator's release (or a restarted server still loading): searches raise
+    ``MemoryUnavailable`` (503 with the reason in the API, a paused retry in the worker),
+    never Milvus's own error (500), and ``unavailable()`` says why, for the worker."""
+    from memlm.unavailable import MEMORY, MemoryUnavailable, unavailable
+
+    rng = np.random.default_rng(7)
+    mem = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, docs, pos, days = _entries(rng, 1, 50)
+        mem.append(keys, vals, docs, pos, days)
+        assert mem.unavailable() is None
+        mem.collection.release()
+        reason = mem.unavailable()
+        assert reason is not None and reason.endswith(
+            f"{mem.collection.name} of {mem.url} is NotLoad"
+        )
+        with pytest.raises(MemoryUnavailable) as err:
+            mem.search(keys[:1], 1)
+        assert unavailable(err.value) == MEMORY
+        mem.collection.load()
+        assert mem.unavailable() is None
+        _, ids, _ = mem.search(keys[:1], 1)
+        assert ids[0, 0] == entry_ids(docs[:1], pos[:1])[0]
+    finally:
+        mem.close()
+
+
+def test_a_collection_made_before_aliases_becomes_a_generation_at_its_first_switch(
+    milvus_url: str,
+) -> None:
+    """A memory whose collection is named as the URL itself (made before the alias) is
+    served as generation 0; its first re-creating build drops it and names the new
+    generation by the alias; a reader opened before follows."""
+    from memlm.memory.milvus_client import Collection, new_schema
+
+    rng = np.random.default_rng(8)
+    keys, vals, docs, pos, days = _entries(rng, 1, 2000)
+    first = open_milvus(milvus_url, DIM)  # only to borrow its connection and name
+    name = first.base
+    first.drop()
+    legacy = Collection(name, new_schema(DIM), using=first.alias)
+    legacy.create_index("key", {"index_type": "FLAT", "metric_type": "L2", "params": {}})
+    first.close()
+    mem = open_milvus(milvus_url, DIM)
+    reader = open_milvus(milvus_url, DIM)
+    try:
+        assert mem.collection.name == reader.collection.name == name  # generation 0
+        mem.append(keys, vals, docs, pos, days)
+        info = mem.build_index(IVFPQ, retrain=True)
+        assert info["collection"] == f"{name}__g0001" == mem.collection.name
+        assert _generations(mem) == [f"{name}__g0001"]
+        # the old name is now the alias of the new generation
+        assert Collection(name, using=mem.alias).describe()["collection_name"] == info["collection"]
+        # the reader's name now names the alias: its searches answer right meanwhile, and
+        # its next refresh (the API's poll, a worker's next document) resolves it
+        _, ids, _ = reader.search(keys[:5], 1)
+        assert ids[:, 0].tolist() == entry_ids(docs[:5], pos[:5]).tolist()
+        assert reader.refresh() == 0 and reader.collection.name == info["collection"]
+        assert (reader.count(), reader.params.kind) == (2000, "ivfpq")
+    finally:
+        reader.close()
         mem.close()

@@ -58,7 +58,14 @@ from workers.builder import run_queued_build, start_builder
 from workers.committed import DatabaseCommitted
 from workers.liveness import worker_alive, worker_lock, worker_lock_path
 
-__all__ = ["DatastoreAhead", "IngestWorker", "Processed", "Recovery", "worker_lock_path"]
+__all__ = [
+    "DatastoreAhead",
+    "IngestWorker",
+    "Processed",
+    "Recovery",
+    "Waiting",
+    "worker_lock_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,15 @@ class Recovery:
     released_builds: int
     datastore_before: int  # entries the memory held before the start-up rollback
     datastore_after: int  # ... and after it
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A step that claimed nothing: the memory cannot be searched (``reason``, from the
+    memory), for the ``tries``-th step in a row since a try failed for it."""
+
+    reason: str
+    tries: int
 
 
 @dataclass(frozen=True)
@@ -160,6 +176,9 @@ class IngestWorker:
         # Tries in a row that failed because a dependency was away (a full disk, the
         # database, the memory server): run() pauses retry_delay(streak) before the next.
         self.unavailable_streak = 0
+        # Steps that claimed nothing because the memory could not be searched (a Milvus
+        # collection not loaded, its server away): counted for good, logged each time.
+        self.memory_waits = 0
         self._owes_release = False  # a claim that a failed step could not give back yet
         self._owes_cut: int | None = None  # a failed try whose entries could not go yet
 
@@ -216,10 +235,15 @@ class IngestWorker:
 
     # --- work ------------------------------------------------------------------------------
 
-    def step(self, *, crash_at: str | None = None, build: bool = True) -> Processed | str | None:
+    def step(
+        self, *, crash_at: str | None = None, build: bool = True
+    ) -> Processed | Waiting | str | None:
         """One unit of work: a queued build first (``build``), else one document.
 
-        None when idle. ``run`` passes ``build=False``: its builder thread builds.
+        None when idle. ``run`` passes ``build=False``: its builder thread builds. After a
+        try that failed because a dependency was away, the memory is asked first whether
+        it can be searched: while it cannot, nothing is claimed nor encoded (``Waiting``;
+        ``run`` pauses with the growing backoff).
         """
         if crash_at is not None and crash_at not in CRASH_POINTS:
             raise ValueError(f"crash_at must be one of {CRASH_POINTS}")
@@ -231,6 +255,17 @@ class IngestWorker:
             built = run_queued_build(self.engine, self.sessions)
             if built is not None:
                 return built
+        if self.unavailable_streak:
+            reason = self.engine.memory_unavailable()
+            if reason is not None:
+                self.unavailable_streak += 1
+                self.memory_waits += 1
+                log.warning(
+                    "the memory cannot be searched (%s); no document claimed (%d waits in all)",
+                    reason,
+                    self.memory_waits,
+                )
+                return Waiting(reason, self.unavailable_streak)
         done = self.process_next(crash_at=crash_at)
         if done is None:  # idle: a good moment to look for documents a dead worker held
             self.release_dead_claims()
@@ -417,6 +452,8 @@ class IngestWorker:
                     continue
                 if out is None:
                     stop.wait(self.settings.worker_poll_seconds)
+                elif isinstance(out, Waiting):
+                    stop.wait(self._pause(0.0))
                 elif isinstance(out, Processed):
                     self._log_progress(out)
                     if self.unavailable_streak:

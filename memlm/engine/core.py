@@ -257,6 +257,10 @@ class EngineCore:
         self.calibration.load_for(self.memory.root, self.memory.served_version)
         return changed
 
+    def memory_unavailable(self) -> str | None:
+        """Why the memory cannot answer a search now, or None (``MemoryBackend.unavailable``)."""
+        return self.memory.unavailable()
+
     # --- what the database committed -------------------------------------------------------
 
     def rollback(self, committed: Committed, document: int | None = None) -> int:

@@ -237,6 +237,13 @@ class MemoryBackend(Protocol):
         """Live entries the memory holds now."""
         ...
 
+    def unavailable(self) -> str | None:
+        """Why the memory cannot answer a search now (for the log), or None where it can.
+        The worker asks before it claims another document after a try failed because a
+        dependency was away, so that it waits instead of encoding documents in vain.
+        Default: always searchable (local files)."""
+        return None
+
     def refresh(self) -> int:
         """Make entries written by other processes searchable; returns how many were new
         (0 where the backend does not know: Milvus shows them by itself)."""

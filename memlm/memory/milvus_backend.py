@@ -29,7 +29,7 @@ from memlm.index import BuildInfo, IndexParams, current_version, prune
 from memlm.index.versions import next_version, publish, version_name
 from memlm.memory.base import Committed, MemoryBackend, Recovered
 from memlm.memory.milvus_client import MilvusException, MilvusMemoryError, entry_ids, mapped
-from memlm.memory.milvus_collection import MilvusCollection
+from memlm.memory.milvus_collection import SWAP_CRASH_POINTS, MilvusCollection
 from memlm.memory.url import MilvusURL
 from memlm.memory.versions import DeletedCount, reconcile_versions
 
@@ -44,6 +44,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BUILD_CRASH_POINTS = (
+    # only where the index is re-created: the next generation filled and loaded, not
+    # named by the alias; the alias switched, the old generation not dropped
+    *SWAP_CRASH_POINTS,
     "after_add",  # the collection flushed, compacted and indexed; no record written
     "after_write",  # tmp-... record complete and fsynced, not renamed
     "after_rename",  # v000042 in place, CURRENT still names the old version
@@ -149,7 +152,8 @@ class MilvusMemory(MilvusCollection, MemoryBackend):
         root.mkdir(parents=True, exist_ok=True)
         deleted = self.deleted_documents  # read first: a later deletion prunes this one
         base = self._record(current_version(root))
-        done = self.build_index(params, retrain=retrain)
+        swap_crash = crash_at if crash_at in SWAP_CRASH_POINTS else None
+        done = self.build_index(params, retrain=retrain, crash_at=swap_crash)
         if crash_at == "after_add":
             raise SimulatedCrash(crash_at)
         n, recreated = int(done["entries"]), bool(done["index_recreated"])
@@ -201,9 +205,17 @@ class MilvusMemory(MilvusCollection, MemoryBackend):
         return True
 
     def reconcile(self, recorded: Collection[int], *, delete: bool = False) -> list[int]:
+        """Serve the newest recorded version; ``delete`` (the builder, at its start) also
+        puts the alias back on the collection that version names where a build killed
+        after its switch moved it, and drops the generations killed builds left."""
         if self._root is None:
             return []
         orphans, self._served = reconcile_versions(self._root, recorded, delete=delete)
+        if delete:
+            record = self._record(self._served)
+            self.cleanup(None if record is None else record.details.get("collection"))
+        else:
+            self.refresh()
         return orphans
 
     def stats(self) -> dict[str, Any]:

@@ -72,7 +72,7 @@ _AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _server_away(exc: BaseException) -> bool:
+def server_away(exc: BaseException) -> bool:
     """Whether a pymilvus failure says the server cannot be reached (killed, restarting,
     hung past the call's timeout), not that the request was wrong."""
     if isinstance(exc, ConnectError | MilvusUnavailableException | ConnectionNotExistException):
@@ -94,7 +94,7 @@ def mapped(fn: _F) -> _F:
         try:
             return fn(self, *args, **kwargs)
         except (MilvusException, grpc.RpcError) as exc:
-            if not _server_away(exc):
+            if not server_away(exc):
                 raise
             where = f"{self.url.host}:{self.url.port}"
             raise MemoryUnavailable(f"the Milvus server at {where} is unavailable") from exc

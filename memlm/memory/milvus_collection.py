@@ -10,6 +10,10 @@ Collection ``<name>``: ``id`` (INT64 primary key), ``value`` (next token), ``doc
 - New entries are searchable through Milvus's growing segments (scanned exactly) as soon
   as the query node consumed them (~0.2 s, one time tick); ``build_index`` flushes, so they
   are sealed and indexed, and compacts away deleted rows.
+- The collection is a generation behind an alias named as the URL's collection
+  (:mod:`memlm.memory.milvus_generations`): a build that needs another index fills the
+  next generation beside the served one, loads it, switches the alias and drops the old
+  one, so searches never meet a released collection. Writes reach every generation.
 - Sealed segments are indexed separately by Milvus: FLAT below ``FLAT_THRESHOLD`` live
   entries, else IVF_PQ with ``IndexParams.for_size`` of the rows of one segment (the
   lists must be filled from one segment's rows) and the same nprobe as the faiss memory.
@@ -29,12 +33,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
+from memlm.datastore import SimulatedCrash
 from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
@@ -49,9 +55,20 @@ from memlm.memory.milvus_client import (
     milvus_index,
     new_schema,
     served_params,
+    server_away,
     utility,
 )
+from memlm.memory.milvus_generations import (
+    drop_extra,
+    generation_name,
+    generation_of,
+    generations,
+    gone,
+    resolve,
+    switch,
+)
 from memlm.memory.url import MilvusURL
+from memlm.unavailable import MemoryUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +80,15 @@ MAX_TOPK = 16384  # Milvus's limit on k
 # Rows of a sealed segment: Milvus's default segment.maxSize (512 MB) of raw float32 keys.
 SEGMENT_BYTES = 512 * 1024 * 1024
 _aliases = itertools.count()
+# Where a build that re-creates the index may stop (tests kill it at each): the new
+# generation filled, indexed and loaded but not named; the alias switched, the old
+# generation not dropped yet.
+SWAP_CRASH_POINTS = ("after_copy", "after_switch")
+_T = TypeVar("_T")
+# Seconds the old generation stays after the switch before it is dropped: searches of
+# this process already under way on it end there (a search that meets the drop fails
+# after ~0.8 s, "delegator closed", and is retried on the new one).
+DROP_GRACE_S = 1.0
 
 
 class MilvusCollection:
@@ -79,15 +105,20 @@ class MilvusCollection:
         connections.connect(alias=self.alias, host=url.host, port=url.port, timeout=url.timeout)
         self.server_version = str(utility.get_server_version(using=self.alias))
         self._lock = threading.Lock()  # build_index() vs itself; searches never wait for it
-        if utility.has_collection(url.collection, using=self.alias, timeout=self.timeout):
-            self.collection = Collection(url.collection, using=self.alias)
-            self._dim = self._check_schema(dim)
-        else:
+        self.base = url.collection
+        self._handles: dict[str, Collection] = {}
+        served = resolve(self.base, self.alias, self.timeout)
+        if served is None:
             if dim is None:
                 raise MilvusMemoryError(f"collection {url.collection!r} does not exist")
             self._dim = int(dim)
-            self.collection = self._create()
-        self.params = self._index_params()
+            served = self._create(generation_name(self.base, 1), IndexParams.exact())
+            try:
+                switch(self.base, served, self.alias, self.timeout)
+            except MilvusException:  # another process named its own first: serve that
+                served = resolve(self.base, self.alias, self.timeout) or served
+        self._serve(served)
+        self._dim = self._check_schema(dim)
         self.collection.load(timeout=self.timeout)
 
     @property
@@ -96,12 +127,88 @@ class MilvusCollection:
 
     # --- schema --------------------------------------------------------------------------
 
-    def _create(self) -> Collection:
-        schema = new_schema(self.dim)
-        coll = Collection(self.url.collection, schema, using=self.alias, timeout=self.timeout)
-        coll.create_index("key", milvus_index(IndexParams.exact()), timeout=self.timeout)
-        log.info("created Milvus collection %s (dim %d)", self.url, self.dim)
+    def _create(self, name: str, params: IndexParams, timeout: int | None = None) -> str:
+        coll = Collection(name, new_schema(self.dim), using=self.alias, timeout=self.timeout)
+        self._handles[name] = coll
+        coll.create_index("key", milvus_index(params), timeout=timeout or self.timeout)
+        log.info("created Milvus collection %s (dim %d) for %s", name, self.dim, self.url)
+        return name
+
+    def _handle(self, name: str) -> Collection:
+        coll = self._handles.get(name)
+        if coll is None:
+            coll = self._handles[name] = Collection(name, using=self.alias)
         return coll
+
+    def _serve(self, name: str) -> None:
+        """Search ``name`` from now on (a physical collection, never the alias)."""
+        coll = self._handle(name)
+        self.params = served_params(coll, self.timeout)
+        self.collection = coll
+
+    def _follow(self) -> bool:
+        """Serve the collection the alias names now; returns whether it changed."""
+        name = resolve(self.base, self.alias, self.timeout)
+        if name is None:
+            raise MemoryUnavailable(f"the Milvus memory {self.url} has no collection")
+        if name == self.collection.name:
+            return False
+        self._serve(name)
+        return True
+
+    def _read(self, fn: Callable[[Collection], _T]) -> _T:
+        """``fn`` on the served collection. Where it fails and the alias names another
+        collection now (a switch: the old one was dropped, or closed its channels under a
+        search in flight, "delegator closed"), or the collection is gone or not loaded,
+        the alias is resolved again and ``fn`` tried once more; a collection still not
+        there makes the memory unavailable (503 in the API, a paused retry in the
+        worker)."""
+        used = self.collection
+        try:
+            return fn(used)
+        except MilvusException as exc:
+            if server_away(exc):  # no other collection to ask: 503 (``mapped``) at once
+                raise
+            self._follow()
+            if self.collection.name == used.name and not gone(exc):
+                raise
+        try:
+            return fn(self.collection)
+        except MilvusException as exc:
+            if not gone(exc):
+                raise
+            raise MemoryUnavailable(
+                f"the Milvus collection {self.collection.name} of {self.url} is not loaded"
+            ) from exc
+
+    def _write(self, fn: Callable[[Collection], _T]) -> _T:
+        """``fn`` on every generation, oldest first, then on those that appeared meanwhile
+        (a build creates its generation before it copies: a write either lands before the
+        copy reads, or meets the new generation here). Returns the served one's result."""
+        done: set[str] = set()
+        result: _T | None = None
+        wrote = False
+        while True:
+            names = generations(self.base, self.alias, self.timeout)
+            todo = [n for n in names if n not in done]
+            if not todo:
+                break
+            for name in todo:
+                try:
+                    out = fn(self._handle(name))
+                except MilvusException as exc:
+                    # dropped by a switch meanwhile: what it held lives in the newer one
+                    if gone(exc) and name not in generations(self.base, self.alias, self.timeout):
+                        self._handles.pop(name, None)
+                        done.add(name)
+                        continue
+                    raise
+                done.add(name)
+                if not wrote or name == self.collection.name:
+                    result, wrote = out, True
+        if not wrote:
+            raise MemoryUnavailable(f"the Milvus memory {self.url} has no collection")
+        return result  # type: ignore[return-value]
 
     def _check_schema(self, dim: int | None) -> int:
         schema = self.collection.schema
@@ -145,10 +252,16 @@ class MilvusCollection:
         are deleted first, then these are upserted; returns their deterministic ids."""
         docs = np.asarray(documents, np.int64)
         self._check(keys, values, docs, positions, days)
-        uniq = np.unique(docs)
-        if len(uniq):
-            self._delete_expr(f"doc_id in {uniq.tolist()}")
-        return self.upsert(keys, values, docs, positions, days)
+        ids = self._check(keys, values, docs, positions, days)
+        uniq = np.unique(docs).tolist()
+
+        def put(coll: Collection) -> None:
+            if uniq:
+                coll.delete(f"doc_id in {uniq}", timeout=self.timeout)
+            self._upsert_into(coll, ids, keys, values, docs, positions, days)
+
+        self._write(put)
+        return ids
 
     def _check(
         self,
@@ -181,19 +294,33 @@ class MilvusCollection:
         """Insert or replace entries by their deterministic ids (idempotent); a document may
         span several calls (``migrate``); returns the ids."""
         ids = self._check(keys, values, documents, positions, days)
+        self._write(
+            lambda coll: self._upsert_into(coll, ids, keys, values, documents, positions, days)
+        )
+        return ids
+
+    def _upsert_into(
+        self,
+        coll: Collection,
+        ids: npt.NDArray[np.int64],
+        keys: npt.ArrayLike,
+        values: npt.ArrayLike,
+        documents: npt.ArrayLike,
+        positions: npt.ArrayLike,
+        days: npt.ArrayLike,
+    ) -> None:
         k = np.ascontiguousarray(keys, dtype=np.float32)
         cols = [np.asarray(c, np.int64) for c in (values, documents, positions, days)]
         for a in range(0, len(k), INSERT_BATCH):
             b = min(len(k), a + INSERT_BATCH)
-            self.collection.upsert(
+            coll.upsert(
                 [ids[a:b].tolist(), *(c[a:b].tolist() for c in cols), k[a:b]],
                 timeout=self.timeout,
             )
-        return ids
 
     def _delete_expr(self, expr: str) -> int:
-        res = self.collection.delete(expr, timeout=self.timeout)
-        return int(res.delete_count)
+        """Delete on every generation; the count is the served one's."""
+        return self._write(lambda coll: int(coll.delete(expr, timeout=self.timeout).delete_count))
 
     @mapped
     def delete_entries(self, doc_id: int) -> int:
@@ -235,8 +362,10 @@ class MilvusCollection:
     # --- reading ---------------------------------------------------------------------------
 
     def _count(self, expr: str = "") -> int:
-        res = self.collection.query(
-            expr, output_fields=["count(*)"], consistency_level="Strong", timeout=self.timeout
+        res = self._read(
+            lambda coll: coll.query(
+                expr, output_fields=["count(*)"], consistency_level="Strong", timeout=self.timeout
+            )
         )
         return int(res[0]["count(*)"]) if res else 0
 
@@ -248,19 +377,20 @@ class MilvusCollection:
     @mapped
     def documents(self) -> npt.NDArray[np.int64]:
         """The distinct document ids that hold entries (reads the doc_id column)."""
-        out: set[int] = set()
-        it = self.collection.query_iterator(
-            batch_size=16384, expr="", output_fields=["doc_id"], consistency_level="Strong"
-        )
-        try:
-            while True:
-                page = it.next()
-                if not page:
-                    break
-                out.update(int(r["doc_id"]) for r in page)
-        finally:
-            it.close()
-        return np.array(sorted(out), dtype=np.int64)
+
+        def read(coll: Collection) -> set[int]:
+            out: set[int] = set()
+            it = coll.query_iterator(
+                batch_size=16384, expr="", output_fields=["doc_id"], consistency_level="Strong"
+            )
+            try:
+                while page := it.next():
+                    out.update(int(r["doc_id"]) for r in page)
+            finally:
+                it.close()
+            return out
+
+        return np.array(sorted(self._read(read)), dtype=np.int64)
 
     def entries(
         self, batch_size: int = 2048
@@ -277,7 +407,20 @@ class MilvusCollection:
         positions, days), as stored (a backup reads them; ``upsert`` writes them back).
 
         2048 rows a page: 4.7 MB of keys at d=576, well inside a gRPC message."""
-        it = self.collection.query_iterator(
+        yield from self._pages(self.collection, batch_size)
+
+    def _pages(
+        self, coll: Collection, batch_size: int = 2048
+    ) -> Iterator[
+        tuple[
+            npt.NDArray[np.float32],
+            npt.NDArray[np.int32],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int32],
+            npt.NDArray[np.int32],
+        ]
+    ]:
+        it = coll.query_iterator(
             batch_size=batch_size,
             expr="",
             output_fields=["value", "doc_id", "position", "day", "key"],
@@ -296,13 +439,31 @@ class MilvusCollection:
         finally:
             it.close()
 
+    def unavailable(self) -> str | None:
+        """Why no search can run now: the server away, no collection, or the served one
+        not loaded (a restarted server loads it again; an operator released it)."""
+        try:
+            self._follow()
+            state = utility.load_state(self.collection.name, using=self.alias, timeout=self.timeout)
+        except MemoryUnavailable as exc:
+            return str(exc)
+        except MilvusException as exc:
+            return f"the Milvus memory {self.url} cannot be read: {exc}"
+        except grpc.RpcError as exc:  # the server away (``mapped`` covers the others)
+            return f"the Milvus server of {self.url} is unavailable: {exc.code()}"
+        if state.name != "Loaded":
+            return f"the Milvus collection {self.collection.name} of {self.url} is {state.name}"
+        return None
+
     @mapped
     def refresh(self) -> int:
-        """Follow an index another process re-created (a build); the query nodes follow
-        inserts by themselves (growing segments), so nothing else is read. Returns 0."""
-        served = self._index_params()
-        if milvus_index(served) != milvus_index(self.params):
-            self.params = served
+        """Follow a switch another process made (a build: the alias names a new
+        generation) and the index it holds; the query nodes follow inserts by themselves
+        (growing segments), so nothing else is read. Returns 0."""
+        if not self._follow():
+            served = self._index_params()
+            if milvus_index(served) != milvus_index(self.params):
+                self.params = served
         return 0
 
     @mapped
@@ -328,14 +489,16 @@ class MilvusCollection:
         param = {"metric_type": "L2", "params": {"nprobe": p.nprobe} if p.kind == "ivfpq" else {}}
         fields = ["value", "key"] if rerank else ["value"]
         for a in range(0, nq, SEARCH_BATCH):
-            res = self.collection.search(
-                q[a : a + SEARCH_BATCH],
-                "key",
-                param,
-                limit=fetch,
-                output_fields=fields,
-                consistency_level=self.url.consistency,
-                timeout=self.timeout,
+            res = self._read(
+                lambda coll: coll.search(
+                    q[a : a + SEARCH_BATCH],  # noqa: B023 - called at once, in this iteration
+                    "key",
+                    param,
+                    limit=fetch,
+                    output_fields=fields,
+                    consistency_level=self.url.consistency,
+                    timeout=self.timeout,
+                )
             )
             for r, hits in enumerate(res):
                 m = len(hits)
@@ -360,12 +523,14 @@ class MilvusCollection:
     def scan(self, cursor: int, limit: int) -> Scanned:
         """Live entries with ids >= ``cursor``, in id order (a query with a limit returns
         the smallest primary keys, as pymilvus's query iterator relies on)."""
-        rows = self.collection.query(
-            f"id >= {max(0, int(cursor))}",
-            limit=int(limit),
-            output_fields=["id", "value", "key"],
-            consistency_level="Strong",
-            timeout=self.timeout,
+        rows = self._read(
+            lambda coll: coll.query(
+                f"id >= {max(0, int(cursor))}",
+                limit=int(limit),
+                output_fields=["id", "value", "key"],
+                consistency_level="Strong",
+                timeout=self.timeout,
+            )
         )
         rows = sorted(rows, key=lambda r: int(r["id"]))
         ids = np.array([int(r["id"]) for r in rows], np.int64)
@@ -415,11 +580,13 @@ class MilvusCollection:
         days = np.full(len(want), -1, np.int32)
         if not len(want):
             return Provenance(docs, pos, days)
-        rows = self.collection.query(
-            f"id in {np.unique(want).tolist()}",
-            output_fields=["doc_id", "position", "day"],
-            consistency_level=self.url.consistency,
-            timeout=self.timeout,
+        rows = self._read(
+            lambda coll: coll.query(
+                f"id in {np.unique(want).tolist()}",
+                output_fields=["doc_id", "position", "day"],
+                consistency_level=self.url.consistency,
+                timeout=self.timeout,
+            )
         )
         found = {int(r["id"]): r for r in rows}
         for i, e in enumerate(want.tolist()):
@@ -439,62 +606,162 @@ class MilvusCollection:
 
     @mapped
     def build_index(
-        self, params: IndexParams | None = None, *, retrain: bool = False
+        self,
+        params: IndexParams | None = None,
+        *,
+        retrain: bool = False,
+        crash_at: str | None = None,
     ) -> dict[str, Any]:
-        """Flush, compact deleted rows away, and re-create the index when the size calls
-        for other parameters, or (``retrain``) to train IVF_PQ again on what it holds now
-        (the collection is released meanwhile: searches fail until it is loaded again,
-        ``unavailable_seconds``)."""
+        """Index what the memory holds: in place (flush, so new rows are sealed and
+        indexed, and compact deleted rows away) while the index stays the same; when the
+        size calls for other parameters, or ``retrain`` asks to train IVF_PQ again, in the
+        next generation beside the served one (``_rebuild_beside``), which is served
+        throughout. ``crash_at``: one of ``SWAP_CRASH_POINTS`` (tests)."""
+        if crash_at is not None and crash_at not in SWAP_CRASH_POINTS:
+            raise ValueError(f"crash_at must be one of {SWAP_CRASH_POINTS}, got {crash_at!r}")
         # Long server-side steps wait at least 10 minutes. An int: pymilvus stops waiting
         # for an index build only at an int timeout (a float one waits forever).
         long_wait = math.ceil(max(self.timeout, 600))
         with self._lock:
             t0 = time.perf_counter()
-            flush_s = self.flush()
-            t1 = time.perf_counter()
-            try:
-                self.collection.compact(timeout=self.timeout)
-                self.collection.wait_for_compaction_completed(timeout=long_wait)
-            except MilvusException as exc:
-                # Milvus 2.3 may refuse a compaction right after a flush ("segment in flushed
-                # state not found"). Compaction only merges segments and drops deleted rows,
-                # which searches filter anyway: the build goes on, the next one compacts.
-                log.warning("Milvus compaction skipped: %s", exc)
-            compact_s = time.perf_counter() - t1
+            self._follow()  # what the alias names now (another process may have switched)
             n = self.count()
             want = params or self.params_for(n)
-            recreated, unavailable = False, 0.0
             other = milvus_index(want) != milvus_index(self.params)
-            if other or (retrain and want.kind == "ivfpq"):
+            recreated = other or (retrain and want.kind == "ivfpq")
+            steps: dict[str, Any] = {}
+            if recreated:
+                # the new generation is compacted by construction: only live rows are
+                # copied. Its index may take an hour: nothing is unavailable meanwhile,
+                # a slow (or shared) index node only delays the switch.
+                steps = self._rebuild_beside(want, max(long_wait, 3600), crash_at)
+                n = self.count()
+            else:
+                steps["flush_seconds"] = round(self.flush(), 3)
                 t1 = time.perf_counter()
-                self.collection.release(timeout=self.timeout)
                 try:
-                    self.collection.drop_index(timeout=self.timeout)
-                    # a build past long_wait raises: it never hangs
-                    self.collection.create_index("key", milvus_index(want), timeout=long_wait)
-                finally:
-                    # searchable again even when the build failed or timed out (Milvus
-                    # searches segments whose index is not built yet by brute force)
-                    self.collection.load(timeout=long_wait)
-                unavailable = time.perf_counter() - t1
-                recreated = True
+                    self.collection.compact(timeout=self.timeout)
+                    self.collection.wait_for_compaction_completed(timeout=long_wait)
+                except MilvusException as exc:
+                    # Milvus 2.3 may refuse a compaction right after a flush ("segment in
+                    # flushed state not found"). Compaction only merges segments and drops
+                    # deleted rows, which searches filter anyway: the build goes on, the
+                    # next one compacts.
+                    log.warning("Milvus compaction skipped: %s", exc)
+                steps["compact_seconds"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            utility.wait_for_index_building_complete(
-                self.url.collection, using=self.alias, timeout=long_wait
-            )
-            index_s = time.perf_counter() - t2
+            if not recreated:  # (a new generation is indexed before its switch; a
+                # compaction of its upserts may index a merged segment again afterwards,
+                # searched meanwhile by brute force: nothing to wait for)
+                utility.wait_for_index_building_complete(
+                    self.collection.name, using=self.alias, timeout=long_wait
+                )
             self.params = want  # the index Milvus holds now, and its nprobe
             return {
                 "backend": self.name,
                 "entries": n,
                 "params": self.params.to_json(),
                 "index_recreated": recreated,
-                "unavailable_seconds": round(unavailable, 3),
-                "flush_seconds": round(flush_s, 3),
-                "compact_seconds": round(compact_s, 3),
-                "index_wait_seconds": round(index_s, 3),
+                "collection": self.collection.name,
+                # searches never wait for a build: the served collection stays loaded
+                "unavailable_seconds": 0.0,
+                **steps,
+                "index_wait_seconds": round(time.perf_counter() - t2, 3),
                 "seconds": round(time.perf_counter() - t0, 3),
             }
+
+    def _rebuild_beside(
+        self, want: IndexParams, long_wait: int, crash_at: str | None
+    ) -> dict[str, Any]:
+        """The blue-green switch: the next generation created with ``want``'s index and
+        loaded, every live entry copied into it (writes reach it from its creation on:
+        ``_write``), the rows that a forget took from the served one during the copy
+        deleted, its index built and loaded; then the alias names it (one call), this
+        process serves it and the old generation is dropped. Until the switch the old one
+        serves every search; a failure before it drops the new one, a kill leaves it to
+        the next start's ``cleanup``."""
+        old = self.collection
+        last = max(
+            generation_of(self.base, n) or 0
+            for n in generations(self.base, self.alias, self.timeout)
+        )
+        name = generation_name(self.base, last + 1)
+        t0 = time.perf_counter()
+        try:
+            new = self._handle(self._create(name, want, long_wait))
+            new.load(timeout=long_wait)
+            copied = 0
+            for keys, values, docs, pos, days in self._pages(old):
+                self._upsert_into(new, entry_ids(docs, pos), keys, values, docs, pos, days)
+                copied += len(values)
+            copy_s = time.perf_counter() - t0
+            new.flush(timeout=long_wait)
+            # rows a forget deleted while the copy was running
+            removed = drop_extra(new, old, long_wait)
+            utility.wait_for_index_building_complete(name, using=self.alias, timeout=long_wait)
+            utility.wait_for_loading_complete(name, using=self.alias, timeout=long_wait)
+        except SimulatedCrash:
+            raise
+        except BaseException:
+            self._drop_quietly(name)
+            raise
+        index_s = time.perf_counter() - t0 - copy_s
+        if crash_at == "after_copy":
+            raise SimulatedCrash(crash_at)
+        t1 = time.perf_counter()
+        switch(self.base, name, self.alias, self.timeout)
+        switch_s = time.perf_counter() - t1
+        if crash_at == "after_switch":
+            raise SimulatedCrash(crash_at)
+        self._serve(name)
+        time.sleep(DROP_GRACE_S)
+        # searches of other processes still on the old one resolve the alias again when
+        # it is gone (``_read``); if the drop fails, the next start's cleanup drops it
+        self._drop_quietly(old.name)
+        log.info(
+            "Milvus generation %s serves %s: %d entries copied in %.1f s, %d forgotten meanwhile",
+            name,
+            self.url,
+            copied,
+            copy_s,
+            removed,
+        )
+        return {
+            "previous_collection": old.name,
+            "copied": copied,
+            "removed_after_copy": removed,
+            "copy_seconds": round(copy_s, 3),
+            # flush, the forgotten rows deleted, the index built and loaded
+            "index_seconds": round(index_s, 3),
+            "switch_seconds": round(switch_s, 3),
+        }
+
+    def _drop_quietly(self, name: str) -> None:
+        self._handles.pop(name, None)
+        try:
+            utility.drop_collection(name, timeout=self.timeout, using=self.alias)
+        except Exception as exc:  # noqa: BLE001 - the next start's cleanup drops it
+            log.warning("could not drop Milvus collection %s: %s", name, exc)
+
+    @mapped
+    def cleanup(self, keep: str | None = None) -> list[str]:
+        """Serve ``keep`` (the collection a recorded version names) when it still exists
+        and the alias names another (a build killed after its switch, before its record),
+        and drop every other generation (builds killed before their switch, old ones a
+        killed build did not drop). Run by the single builder, at its start."""
+        names = generations(self.base, self.alias, self.timeout)
+        self._follow()
+        if keep is not None and keep in names and keep != self.collection.name:
+            log.warning(
+                "serving %s again: the build that switched away from it was not recorded", keep
+            )
+            switch(self.base, keep, self.alias, self.timeout)
+            self._serve(keep)
+        dropped = [n for n in names if n != self.collection.name]
+        for n in dropped:
+            log.warning("dropping Milvus collection %s, left by a build that did not finish", n)
+            self._drop_quietly(n)
+        return dropped
 
     @mapped
     def stats(self) -> dict[str, Any]:
@@ -505,13 +772,21 @@ class MilvusCollection:
             "server_version": self.server_version,
             "consistency": self.url.consistency,
             "rerank": self.url.rerank,
+            "collection": self.collection.name,
             "index": {"kind": self.params.kind, **milvus_index(self.params)["params"]}
             | ({"nprobe": self.params.nprobe} if self.params.kind == "ivfpq" else {}),
         }
 
     def drop(self) -> None:
-        """Delete the whole collection (tests, ``migrate-memory --replace``)."""
-        self.collection.drop(timeout=self.timeout)
+        """Delete the whole memory: the alias and every generation (tests,
+        ``migrate-memory --replace``)."""
+        names = generations(self.base, self.alias, self.timeout)
+        if self.base not in names and utility.has_collection(
+            self.base, using=self.alias, timeout=self.timeout
+        ):
+            utility.drop_alias(self.base, timeout=self.timeout, using=self.alias)
+        for n in names:
+            self._drop_quietly(n)
 
     def close(self) -> None:
         connections.disconnect(self.alias)
