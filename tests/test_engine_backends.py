@@ -309,3 +309,16 @@ def test_predicts_never_fail_while_a_retraining_build_replaces_the_index(
     first = engine.predict(CONTEXT, top_n=5, neighbours=4).neighbours[0]
     assert (first.doc_id, first.position, first.token_id) == (DOC, pos, token)
     assert engine.memory.count() == 433
+
+
+def test_an_engine_opened_on_a_data_directory_not_made_yet_ingests_and_keeps_its_files(
+    tmp_path: Path, tiny: Any, memory_url: str | None, opened: list[Engine]
+) -> None:
+    """The data directory holds the engine's own files on every backend (lexical
+    statistics, held-out records, build locks): opening makes it, so the first document's
+    statistics are saved before any build (on Milvus nothing else would make it)."""
+    data_dir = tmp_path / "not" / "made" / "yet"
+    opened.append(engine := _open(data_dir, tiny, memory_url))
+    assert data_dir.is_dir()
+    engine.process_document(1, TEXTS[0], DAY)
+    assert (data_dir / "lexical.npz").is_file()

@@ -71,6 +71,9 @@ class EngineCore:
         search only where they fail (memlm.memory.pointers; ``MEMLM_POINTERS``; off by
         default)."""
         self.data_dir = Path(data_dir)
+        if not readonly:  # the engine's own files live here on every backend (on
+            # Milvus nothing else makes it before the first build)
+            self.data_dir.mkdir(parents=True, exist_ok=True)
         if rerank_depth is not None and rerank_depth < 1:
             raise ValueError(f"rerank_depth must be >= 1, got {rerank_depth}")
         self.rerank_depth = rerank_depth
