@@ -336,26 +336,23 @@ class MilvusCollection:
         """Delete the entries of ``documents`` that are not in ``keep`` (cleanup of entries
         whose documents never committed); returns how many were deleted."""
         drop = np.setdiff1d(np.asarray(documents, np.int64), np.asarray(keep, np.int64))
-        total = 0
-        for a in range(0, len(drop), 1000):
-            part = drop[a : a + 1000].tolist()
-            n = self._count(f"doc_id in {part}")
-            if n:
-                self._delete_expr(f"doc_id in {part}")
-                total += n
-        return total
+        return self._delete_in("doc_id", drop)
 
     @mapped
     def retire(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
         """Delete single entries by id (one call: nothing to crash between, so
         ``crash_at`` has no points here); returns how many were live."""
-        want = np.unique(np.asarray(ids, np.int64).reshape(-1))
+        return self._delete_in("id", np.unique(np.asarray(ids, np.int64).reshape(-1)))
+
+    def _delete_in(self, field: str, values: npt.NDArray[np.int64]) -> int:
+        """Delete the entries whose ``field`` is one of ``values``, 1,000 values a call;
+        returns how many were live."""
         total = 0
-        for a in range(0, len(want), 1000):
-            part = want[a : a + 1000].tolist()
-            n = self._count(f"id in {part}")
+        for a in range(0, len(values), 1000):
+            part = values[a : a + 1000].tolist()
+            n = self._count(f"{field} in {part}")
             if n:
-                self._delete_expr(f"id in {part}")
+                self._delete_expr(f"{field} in {part}")
                 total += n
         return total
 
