@@ -1,11 +1,12 @@
 """The service delivers what the harness measures: a slice of the stream replayed over HTTP.
 
-``memlm eval --lambda evidence`` scores each day's test documents against that day's
-evening memory.  This benchmark runs the same slice through a real server (the app
+``memlm eval --lambda served`` scores each day's test documents against that day's
+evening memory with the interpolation the service serves (the evidence model, and the
+calibrator where it beats it: memlm/calibrator/combined.py).  This benchmark runs the same slice through a real server (the app
 ``memlm serve`` builds, with its embedded ingest worker, served by uvicorn on a port),
 only through its HTTP API, as the scheduler and a user would:
 
-1. ``memlm eval --policies monim --lambda evidence`` over the slice (a subprocess; its
+1. ``memlm eval --policies monim --lambda served`` (``--lambda``) over the slice (a subprocess; its
    token cache lives under ``MEMLM_CACHE_DIR``); its ``split.json`` is the replay's plan,
    so both see the very same documents, deduplicated and screened as the harness does;
 2. for each day: ``POST /ingest`` the day's training documents in the harness's order,
@@ -93,7 +94,7 @@ def eval_command(args: argparse.Namespace, out: Path) -> list[str]:
         "--policies",
         "monim",
         "--lambda",
-        "evidence",
+        args.lam,
         "--precision",
         args.precision,
         "--device",
@@ -223,6 +224,13 @@ def main() -> None:
     ap.add_argument("--days", type=int, default=3)
     ap.add_argument("--max-docs-per-day", type=int, default=8, help="0: the whole day")
     ap.add_argument("--precision", default="float32")
+    ap.add_argument(
+        "--lambda",
+        dest="lam",
+        choices=("served", "evidence"),
+        default="served",
+        help="the harness's interpolation: served (what the service serves) or evidence",
+    )
     ap.add_argument("--threads", type=int, default=int(os.environ.get("MEMLM_THREADS", 0)) or None)
     ap.add_argument("--eval-out", type=Path, default=None, help="the eval's output directory")
     ap.add_argument(
@@ -261,7 +269,7 @@ def main() -> None:
     h_mon, h_bare = report["results"]["monim"], report["results"]["bare"]
     r_ppl, r_lm = ppl(served["logprobs"]), ppl(served["lm"])
     rows = [
-        ("test ppl (evidence)", r_ppl, h_mon["test_ppl"], rel(r_ppl, h_mon["test_ppl"])),
+        (f"test ppl ({args.lam})", r_ppl, h_mon["test_ppl"], rel(r_ppl, h_mon["test_ppl"])),
         ("bare LM test ppl", r_lm, h_bare["test_ppl"], rel(r_lm, h_bare["test_ppl"])),
         ("test tokens", len(served["logprobs"]), h_mon["test_tokens"], "-"),
         ("MemRate", final["memrate"], h_mon["memrate"], rel(final["memrate"], h_mon["memrate"])),

@@ -34,6 +34,7 @@ def _args(**kw: object) -> argparse.Namespace:
         "max_docs_per_day": 8,
         "precision": "float32",
         "threads": None,
+        "lam": "served",
     }
     return argparse.Namespace(**{**base, **kw})
 
@@ -53,7 +54,7 @@ def test_eval_command_runs_the_served_policy_and_interpolation() -> None:
         "--policies",
         "monim",
         "--lambda",
-        "evidence",
+        "served",
         "--precision",
         "float32",
         "--device",
@@ -64,6 +65,11 @@ def test_eval_command_runs_the_served_policy_and_interpolation() -> None:
         "--max-docs-per-day",
         "8",
     ]
+
+
+def test_eval_command_compares_with_the_interpolation_asked_for() -> None:
+    cmd = replay.eval_command(_args(lam="evidence"), Path("o"))
+    assert cmd[cmd.index("--lambda") + 1] == "evidence"
 
 
 def test_eval_command_whole_days_and_threads() -> None:
