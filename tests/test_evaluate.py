@@ -330,6 +330,86 @@ def test_monim_ingests_with_the_served_interpolation_of_each_day(tmp_path, enc):
     assert {d.ingest["lambda"] for d in fixed.days} == {0.02}
 
 
+def test_monim_served_decides_with_what_each_evenings_build_serves(tmp_path, enc):
+    """--lambda served: MoNIM decides with lambda and T per token from the evening's build
+    (the evidence, the calibrator where the combination serves), as the service's worker
+    does; a day's stores equal MoNIM's decision recomputed from that evening's files."""
+    from memlm.calibrator.constant import TuneGrid as Grid
+    from memlm.evaluate.run import _served_scores
+    from memlm.evaluate.served import EveningBuilds
+
+    docs = _stream(days=3, per_day=6)
+    plans = plan_stream(docs, dev_share=0.2, test_share=0.2)
+    cache = TokenCache(enc, WindowConfig(context=32, stride=16), root=tmp_path / "cache")
+    grid = Grid(ks=(4, 8), temperatures=(1.0, 10.0), lambdas=(0.0, 0.3, 0.9))
+    default = KnnParams(k=8, temperature=5.0, lmbda=0.02)
+    kw = dict(
+        ingest_params=None, k_max=16, served_grid=grid, served_default=default, served_min_tokens=1
+    )
+    run = run_policy(
+        MoNIM(),
+        plans,
+        cache,
+        tmp_path / "w",
+        ingest_served=True,
+        calibrator_min_tokens=1,
+        **kw,
+    )
+    asked = [d.ingest for d in run.days]
+    assert {a["lambda"] for a in asked} == {"served"}
+    assert asked[0]["lambda_source"] == "evidence"  # the prior: no build yet
+    # the decisions of day 3, recomputed from the files of evening 2's build; the memory
+    # of day 3's morning is rebuilt by a second run stopped after day 2
+    from memlm.evaluate.checkpoint import SimulatedInterruption
+
+    with pytest.raises(SimulatedInterruption):
+        run_policy(
+            MoNIM(),
+            plans,
+            cache,
+            tmp_path / "w2",
+            ingest_served=True,
+            calibrator_min_tokens=1,
+            crash_at=1,
+            **kw,
+        )
+    from memlm.calibrator.lexical import LexicalStats
+    from memlm.evaluate import checkpoint
+    from memlm.evaluate.run import _resume
+
+    state = checkpoint.load(tmp_path / "w2")
+    # evening 2's build serves the dev tokens of days 1-2
+    assert state.served["version"] == int(sorted(set(run.dev["day"].tolist()))[1])
+    evenings = EveningBuilds(
+        tmp_path / "w2" / "served", enc.vocab_size, grid, default, min_tokens=1
+    )
+    evenings.load(int(state.served["version"]))
+    assert asked[2]["lambda_source"] == evenings.served.lambda_source
+    assert asked[2]["k"] == evenings.served.params.k
+    ds, index = _resume(tmp_path / "w2", cache, state)
+    lexical = LexicalStats.load(tmp_path / "w2" / "lexical.npz", enc.vocab_size)
+    stored = 0
+    for o in cache.get_many([d.text for d in plans[2].train]):
+        lexical.update(np.concatenate([o.prev_tokens[:1], o.targets]))
+
+        def search(kind, o_, k, depth):
+            return index.search_values(o_.keys, k, depth=depth)
+
+        *_, scores = _served_scores(evenings.served, o, lexical, cache, search, None)
+        mask = MoNIM().decide(scores)
+        stored += int(mask.sum())
+        if mask.any():  # the morning's memory grows as the day's documents are stored
+            ds.append(
+                o.keys[mask].astype(np.float16),
+                o.targets[mask].astype(np.int32),
+                np.zeros(int(mask.sum()), np.int64),
+                o.positions[mask],
+                np.zeros(int(mask.sum()), np.int32),
+            )
+            index.refresh()
+    assert stored == run.days[2].tokens_stored
+
+
 def test_run_policy_with_pointers_counts_its_searches_and_keeps_the_stores(tmp_path, enc):
     """Pointers change what the held-out tokens and MoNIM see only where they answer: the
     days count the searches they saved; a memory holding the held-out text repeats it."""

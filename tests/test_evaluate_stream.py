@@ -693,18 +693,22 @@ def test_the_served_lambda_is_what_each_evenings_build_serves(tmp_path, enc, mon
         assert "mean_served_lambda" in o and "ppl_evidence" not in o
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| policy | corpus | bare ppl | constant lambda | served |" in md
-    # the same run with a calibrator that never trains (resumed: only the report is new)
-    # serves the evidence every evening, and scores each day's test tokens with that
-    # evening's evidence model exactly (its sum of log-probs, from the test ppl so far)
+    # the same run with a calibrator that never trains serves the evidence every evening,
+    # and scores each day's test tokens with that evening's evidence model exactly (its sum
+    # of log-probs, from the test ppl so far); MoNIM decides with what is served, so the
+    # minimum is part of a run's identity: resuming with another one is refused
     from memlm.evaluate.checkpoint import load_eval
+    from memlm.evaluate.harness import ResumeMismatch
 
-    cfg_ev = replace(cfg, calibrator_min_tokens=10**9, resume=True)
-    alone = evaluate(cfg_ev, _stream(words=120), tmp_path / "out", encoder=enc, echo=str)
+    cfg_ev = replace(cfg, calibrator_min_tokens=10**9)
+    with pytest.raises(ResumeMismatch, match="calibrator_min_tokens"):
+        evaluate(replace(cfg_ev, resume=True), _stream(words=120), tmp_path / "out", encoder=enc)
+    alone = evaluate(cfg_ev, _stream(words=120), tmp_path / "out2", encoder=enc, echo=str)
     for name in ("fullmem", "monim", "randmem"):
         days = alone["results"][name]["served_days"]
         assert [d["lambda_source"] for d in days] == ["evidence"] * 4
         assert days[0]["calibrator_reason"].endswith("fewer than the 1000000000 training needs")
-        test = load_eval(tmp_path / "out" / "work" / name, 4)[1].arrays(cfg.k_max)
+        test = load_eval(tmp_path / "out2" / "work" / name, 4)[1].arrays(cfg.k_max)
         before_n, before_sum = 0, 0.0
         for d, row in zip(days, alone["per_day"][name], strict=True):
             on = test["day"] == d["day"]

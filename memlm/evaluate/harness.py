@@ -102,7 +102,6 @@ _NOT_IDENTITY = {
     "encode_shard",
     "merge_from",
     "follow_encode",
-    "calibrator_min_tokens",  # read by the report only (--lambda served)
 }
 # ...and those that may differ between runs merged into one report (--merge).
 _MERGEABLE = {"policies", "rand_rate"}
@@ -280,7 +279,9 @@ def _evaluate(
             workroot / name,
             ingest_params=cfg.ingest,
             # MoNIM decides with the lambda the report scores with (the service's)
-            ingest_evidence=cfg.lambda_mode in ("evidence", "served") and cfg.ingest is None,
+            ingest_evidence=cfg.lambda_mode == "evidence" and cfg.ingest is None,
+            ingest_served=cfg.lambda_mode == "served" and cfg.ingest is None,
+            calibrator_min_tokens=cfg.calibrator_min_tokens,
             k_max=cfg.k_max,
             index_kind=cfg.index_kind,
             rerank_depth=cfg.rerank_depth,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from memlm.calibrator import ServedInterpolation
 from memlm.calibrator.constant import (
     MIN_TUNE_TOKENS,
     SERVED_DEFAULT,
@@ -20,6 +21,7 @@ from memlm.calibrator.constant import (
     choose_constant,
 )
 from memlm.calibrator.evidence import PRIOR, EvidenceModel, fit_best, views
+from memlm.calibrator.features import TOP_N
 from memlm.calibrator.lexical import LexicalStats
 from memlm.corpus import Document
 from memlm.datastore import Datastore
@@ -30,6 +32,7 @@ from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
 from memlm.evaluate.forgetting import Rescore
 from memlm.evaluate.plan import DayPlan, day_number
 from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
+from memlm.evaluate.served import EveningBuilds, with_seen_view
 from memlm.index import IndexParams, MemoryIndex, build_index, prune
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, token_scores
@@ -88,6 +91,8 @@ def run_policy(
     *,
     ingest_params: KnnParams | None,
     ingest_evidence: bool = False,
+    ingest_served: bool = False,
+    calibrator_min_tokens: int = MIN_TUNE_TOKENS,
     k_max: int,
     index_kind: str = "auto",
     rerank_depth: int | None = None,
@@ -113,6 +118,10 @@ def run_policy(
     ``served_grid`` after an evening's build, as the service does at its nightly build.
     ``ingest_evidence``: lambda per token from the retrieval evidence instead of the
     constant's (the prior, then fitted each evening on the dev tokens so far).
+    ``ingest_served``: lambda and T per token from what the service's build would serve
+    each evening (memlm.evaluate.served.EveningBuilds: the evidence, and the calibrator
+    trained on the dev tokens so far where the combination beats it,
+    ``calibrator_min_tokens`` at least), as the service's worker decides.
 
     Every finished day is checkpointed (memlm.evaluate.checkpoint); ``resume`` goes on
     from the last one.  ``rescore``: at the end of each month of the plan, every test
@@ -157,6 +166,17 @@ def run_policy(
     lm_path = workdir / "lm_logprob.npy"  # log p_LM of each entry's value, by entry id
     lm_lp = list(np.load(lm_path)[: len(ds)]) if lm_path.exists() else []
     follow: dict[tuple[str, int], PointerSearch] = {}
+    evenings = None
+    if ingest_served and policy is not None and policy.needs_augmented:
+        evenings = EveningBuilds(
+            workdir / "served",
+            cache.encoder.vocab_size,
+            served_grid,
+            served_default,
+            min_tokens=calibrator_min_tokens,
+        )
+        if state.served.get("version") is not None:
+            evenings.load(int(state.served["version"]))
     day_counts = (0, 0)  # (searched, tokens) of the pointers up to the last day
 
     def neighbours_of(
@@ -189,7 +209,11 @@ def run_policy(
             "source": state.served["source"],
         }
         evidence = None
-        if ingest_evidence and policy is not None and policy.needs_augmented:
+        if evenings is not None:
+            knn = evenings.served.params
+            asked |= {"k": knn.k, "temperature": knn.temperature, "lambda": "served"}
+            asked["lambda_source"] = evenings.served.lambda_source
+        elif ingest_evidence and policy is not None and policy.needs_augmented:
             evidence = EvidenceModel.from_json(state.served.get("evidence") or PRIOR.to_json())
             asked["lambda"] = "evidence"
             asked["evidence"] = evidence.to_json()
@@ -201,7 +225,17 @@ def run_policy(
             day_seen += n
             if policy is None or n == 0:
                 continue
-            if policy.needs_augmented:
+            if evenings is not None:
+                dist, nb_ids, vals, scores = _served_scores(
+                    evenings.served, o, lexical, cache, neighbours_of, ingest_rerank_depth
+                )
+                if consolidation is not None:
+                    t_usage = time.perf_counter()
+                    usage.add(nb_ids, vals, o.targets)
+                    usage_s += time.perf_counter() - t_usage
+                lm_alone = TokenScores(o.target_logprob, o.top_logprob, o.key_ce)
+                day_alone += int(policy.decide(lm_alone).sum())
+            elif policy.needs_augmented:
                 dist, nb_ids, vals = neighbours_of("ingest", o, knn.k, ingest_rerank_depth)
                 if consolidation is not None:
                     t_usage = time.perf_counter()
@@ -273,7 +307,13 @@ def run_policy(
                 dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
             )
             state.served = {"params": choice.params, "source": choice.source}
-            if ingest_evidence:  # fitted on the dev tokens so far, as a build would
+            if evenings is not None:  # the service's build on the dev tokens so far
+                rows = with_seen_view(dev.arrays(k_max), plans[: day_index + 1], cache)
+                version = int(rows["day"].max()) if len(rows["day"]) else None
+                if version is not None:
+                    evenings.build(rows, version)
+                    state.served["version"] = version
+            elif ingest_evidence:  # fitted on the dev tokens so far, as a build would
                 model, temperature = fit_best(
                     views(dev.arrays(k_max)), choice.params.k, served_grid.temperatures
                 )
@@ -355,3 +395,33 @@ def _load_ood(
     return {
         name: checkpoint.load_arrays(workdir / "eval" / f"ood-{name}.npz") for name in ood or {}
     }
+
+
+def _served_scores(
+    served: ServedInterpolation,
+    o: TokenOutputs,
+    lexical: LexicalStats,
+    cache: TokenCache,
+    neighbours_of: Callable[[str, TokenOutputs, int, int | None], tuple[Any, Any, Any]],
+    depth: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, TokenScores]:
+    """MoNIM's scores of one document as the service's worker computes them
+    (memlm.engine.core's ``_scores``): the search at ``max(k, TOP_N)`` for the
+    calibrator's density features, lambda and T per token from ``served``, the augmented
+    model at the served k.  Returns the k-wide search (distances, ids, values) and the
+    scores."""
+    k = served.params.k
+    dist, ids, vals = neighbours_of("ingest", o, max(k, TOP_N), depth)
+    qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
+    lam, temps = served.mix_of(
+        o.top_logprob,
+        o.entropy,
+        lexical.features(o.prev_tokens),
+        dist,
+        vals,
+        qnorm,
+        o.positions,
+    )
+    dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
+    scores = token_scores(cache.encoder, o, dist, vals, served.params, lmbda=lam, temperature=temps)
+    return dist, ids, vals, scores

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from memlm.calibrator import ServedCalibration
+from memlm.calibrator import ServedCalibration, ServedInterpolation
 from memlm.calibrator.constant import MIN_TUNE_TOKENS, TuneGrid, choose_constant
 from memlm.calibrator.features import TOP_N
 from memlm.calibrator.retrain import choose, retrain
@@ -62,6 +62,62 @@ def with_seen_view(
     return {**dev, "seen_distances": seen_d, "seen_values": seen_v}
 
 
+class EveningBuilds:
+    """The service's nightly choice of interpolation, evening after evening, in an index
+    root of its own (``root``): what :func:`served_stream` scores the test tokens with, and
+    what MoNIM decides with in a ``--lambda served`` run (the service's worker decides
+    with what the service serves).  The files stay under ``root``, so a resumed run loads
+    the version it had reached with :meth:`load`."""
+
+    def __init__(
+        self,
+        root: Path,
+        vocab_size: int,
+        grid: TuneGrid,
+        default: KnnParams,
+        *,
+        min_tokens: int,
+    ) -> None:
+        self.root = Path(root) / "index"
+        self.grid, self.default, self.min_tokens = grid, default, min_tokens
+        self.calibration = ServedCalibration(
+            Path(root) / "data", vocab_size, default=default, evidence=True
+        )
+        self.version: int | None = None
+
+    @property
+    def served(self) -> ServedInterpolation:
+        """What the last build serves (the default and the evidence's prior before one)."""
+        return self.calibration.served
+
+    def load(self, version: int) -> None:
+        self.calibration.load_for(self.root, version)
+        self.version = version
+
+    def build(self, dev: dict[str, np.ndarray], version: int) -> dict[str, Any]:
+        """As a build does it (memlm.engine.build) on the held-out rows ``dev`` (with their
+        seen view, :func:`with_seen_view`): the constant, the calibrator at its k and T,
+        the evidence and the decision; then serve ``version``.  Returns the record."""
+        rows = {k: v for k, v in dev.items() if k != "trime"}
+        rows["merged_for"] = rows["day"].astype(np.int64)  # each evening merges its own tokens
+        choice = choose_constant(rows, self.grid, self.default, min_tokens=MIN_TUNE_TOKENS)
+        trained = retrain(rows, choice.params, self.root, version, min_tokens=self.min_tokens)
+        record = choose(rows, choice, self.grid, self.root, version, evidence=True)
+        self.load(version)
+        s = self.served
+        return {
+            "version": version,
+            "lambda_source": s.lambda_source,
+            "constant": choice.to_json(),
+            "calibrator_trained": trained.get("trained"),
+            "calibrator_reason": trained.get("reason"),
+            "k": s.params.k,
+            "temperature": s.params.temperature,
+            "evidence_model": None if s.evidence is None else s.evidence.to_json(),
+            "decision": (record.get("evidence") or {}).get("combined"),
+        }
+
+
 def served_stream(
     dev: dict[str, np.ndarray],
     test: dict[str, np.ndarray],
@@ -78,58 +134,41 @@ def served_stream(
 
     ``dev`` must carry the seen view (:func:`with_seen_view`); ``test`` rows of a day are
     scored with the build of that evening (dev days <= it)."""
-    dev = {k: v for k, v in dev.items() if k != "trime"}
-    dev["merged_for"] = dev["day"].astype(np.int64)  # each evening merges its own tokens
     n = len(test["gold"])
     lp, lam = np.zeros(n), np.zeros(n)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memlm-served-") as tmp:
-        root = Path(tmp) / "index"
-        served = ServedCalibration(Path(tmp) / "data", vocab_size, default=default, evidence=True)
-        version: int | None = None
+        evenings = EveningBuilds(Path(tmp), vocab_size, grid, default, min_tokens=min_tokens)
         for day in sorted(set(test["day"].tolist())):
             use = dev["day"] <= day
-            if use.any() and version != int(dev["day"][use].max()):
-                version = int(dev["day"][use].max())
-                rows = {k: v[use] for k, v in dev.items()}
-                # as a build does it (memlm.engine.build): the constant, the calibrator at
-                # its k and T, the evidence and the decision
-                choice = choose_constant(rows, grid, default, min_tokens=MIN_TUNE_TOKENS)
-                trained = retrain(rows, choice.params, root, version, min_tokens=min_tokens)
-                record = choose(rows, choice, grid, root, version, evidence=True)
-                served.load_for(root, version)
-                records.append(
-                    {
-                        "day": int(day),
-                        "version": version,
-                        "lambda_source": served.served.lambda_source,
-                        "constant": choice.to_json(),
-                        "calibrator_trained": trained.get("trained"),
-                        "calibrator_reason": trained.get("reason"),
-                        "k": served.served.params.k,
-                        "temperature": served.served.params.temperature,
-                        "evidence_model": None
-                        if served.served.evidence is None
-                        else served.served.evidence.to_json(),
-                        "decision": (record.get("evidence") or {}).get("combined"),
-                    }
-                )
-            s = served.served
+            if use.any() and evenings.version != int(dev["day"][use].max()):
+                rows = {k: v[use] for k, v in dev.items() if len(v) == len(use)}
+                record = evenings.build(rows, int(dev["day"][use].max()))
+                records.append({"day": int(day), **record})
+            s = evenings.served
             rows_t = np.flatnonzero(test["day"] == day)
             part = {k: v[rows_t] for k, v in test.items() if len(v) == n}
-            width = max(s.params.k, TOP_N)
-            got, temps = s.mix_of(
-                part["top_logprob"],
-                part["entropy"],
-                part["lexical"],
-                part["distances"][:, :width],
-                part["values"][:, :width],
-                part["qnorm"],
-                part.get("context"),
-            )
+            got, temps = served_mix(s, part)
             has = part["values"][:, 0] >= 0
             d, v = part["distances"][:, : s.params.k], part["values"][:, : s.params.k]
             knn = knn_logprob(d, np.where(v >= 0, 0, -1), v, part["gold"][:, None], temps)[:, 0]
             lp[rows_t] = interpolate(part["target_lm_logprob"].astype(np.float64), knn, got, has)
             lam[rows_t] = np.where(has, got, 0.0)
     return lp, lam, records
+
+
+def served_mix(
+    s: ServedInterpolation, part: dict[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(lambda, T) of each token of ``part`` (held-out rows: the LM's features, the lexical
+    features and a search at least ``max(k, TOP_N)`` wide) under ``s``."""
+    width = max(s.params.k, TOP_N)
+    return s.mix_of(
+        part["top_logprob"],
+        part["entropy"],
+        part["lexical"],
+        part["distances"][:, :width],
+        part["values"][:, :width],
+        part["qnorm"],
+        part.get("context"),
+    )
