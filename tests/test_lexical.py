@@ -80,3 +80,31 @@ def test_a_save_on_a_full_disk_leaves_the_old_file_and_no_temp_file(tmp_path: Pa
         assert err.value.errno == errno.ENOSPC
         assert sorted(p.name for p in fs.iterdir()) == ["lexical.npz"]
         assert (fs / "lexical.npz").read_bytes() == before
+
+
+def test_a_save_is_on_disk_before_it_replaces_the_old_file(tmp_path: Path, monkeypatch) -> None:
+    """The new file's bytes are fsynced before the os.replace, the directory after it."""
+    import os
+
+    import memlm.calibrator.lexical as lexical
+
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        kind = "dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file"
+        events.append(f"fsync {kind}")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(lexical.os, "fsync", fsync)
+    monkeypatch.setattr(lexical.os, "replace", replace)
+    monkeypatch.setattr("memlm.datastore.durable.os.fsync", fsync)
+    stats = LexicalStats(100)
+    stats.update(np.array([1, 2, 3]))
+    stats.save(tmp_path / "lexical.npz")
+    assert events == ["fsync file", "replace", "fsync dir"]
+    assert LexicalStats.load(tmp_path / "lexical.npz", 100).count.sum() == stats.count.sum()

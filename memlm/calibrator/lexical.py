@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from memlm.datastore.durable import fsync_dir
+
 
 class LexicalStats:
     """Unigram counts of context tokens and their distinct successors."""
@@ -89,20 +91,26 @@ class LexicalStats:
         pair_counts = np.fromiter(self._pairs.values(), np.int64, len(self._pairs))
         docs = np.fromiter(self.docs, np.int64, len(self.docs))
         forgotten = np.fromiter(self.forgotten, np.int64, len(self.forgotten))
-        # everything in one file: one os.replace makes counts and document ids visible
+        # everything in one file: one os.replace makes counts and document ids visible;
+        # the file is on disk before the replace and the replace before the return (a
+        # power cut must not leave an empty file under the old name)
         try:
-            np.savez(
-                tmp,
-                count=self.count,
-                pairs=pairs,
-                pair_counts=pair_counts,
-                docs=docs,
-                forgotten=forgotten,
-            )
+            with open(tmp, "wb") as fh:
+                np.savez(
+                    fh,
+                    count=self.count,
+                    pairs=pairs,
+                    pair_counts=pair_counts,
+                    docs=docs,
+                    forgotten=forgotten,
+                )
+                fh.flush()
+                os.fsync(fh.fileno())
         except OSError:  # a full disk: the partial temp file (~0.6 MB) must not stay
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, path)
+        fsync_dir(path.parent)
 
     @classmethod
     def load(cls, path: Path, vocab_size: int) -> LexicalStats:
