@@ -134,14 +134,19 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = make_engine(settings.db_url)
-        check_migrated(db)  # refuses an unmigrated database, naming the fix
+        try:
+            check_migrated(db)  # refuses an unmigrated database, naming the fix
+            executor = ModelExecutor(
+                queue_size=settings.queue_size,
+                max_batch=settings.max_batch,
+                budget_s=settings.queue_budget_s,
+                min_retry_after=settings.retry_after_seconds,
+            )
+        except BaseException:
+            # the connection the check opened must not wait for the garbage collector
+            db.dispose()
+            raise
         sessions = make_sessionmaker(db)
-        executor = ModelExecutor(
-            queue_size=settings.queue_size,
-            max_batch=settings.max_batch,
-            budget_s=settings.queue_budget_s,
-            min_retry_after=settings.retry_after_seconds,
-        )
         metrics: Metrics = app.state.metrics
         metrics.track_queue(executor.depth)
         state = AppState(settings, db, sessions, executor, metrics, policy_factory=policy_factory)

@@ -1062,6 +1062,30 @@ def test_unmigrated_database_refuses_to_start(tmp_path: Path) -> None:
         pass
 
 
+@pytest.mark.postgres
+def test_an_unmigrated_database_leaves_no_connection_to_the_garbage_collector(
+    tmp_path: Path, pg_schema_url: str
+) -> None:
+    """The refused start disposes of its engine: no psycopg connection is left open for
+    the garbage collector to find (and warn about) in some later test."""
+    import gc
+    import warnings
+
+    from memlm.db.errors import DatabaseNotMigrated
+
+    app = create_app(
+        make_settings(tmp_path, pg_schema_url), engine=FakeEngine(), run_worker=False, poll=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(DatabaseNotMigrated), TestClient(app):
+            pass
+        del app
+        gc.collect()
+    leaks = [w for w in caught if "deleted while still open" in str(w.message)]
+    assert not leaks, leaks
+
+
 def test_vocab_is_what_the_fake_promises() -> None:
     assert len(VOCAB) == 6
 

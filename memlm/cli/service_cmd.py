@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -50,8 +51,11 @@ def _shown(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _migrated_sessions(settings: Any) -> Any:
-    """Sessions for the settings' database; exits with the fix when it is not migrated."""
+@contextlib.contextmanager
+def _migrated_sessions(settings: Any) -> Iterator[Any]:
+    """Sessions for the settings' database, its engine disposed on the way out (a
+    command run in-process must not leave pooled connections to the garbage collector);
+    exits with the fix when the database is not migrated."""
     from sqlalchemy.exc import OperationalError
 
     from memlm.db.errors import DatabaseNotMigrated
@@ -70,7 +74,10 @@ def _migrated_sessions(settings: Any) -> Any:
         else:
             typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    return make_sessionmaker(engine)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
 
 
 def _serve(settings: Any, host: str, port: int) -> None:
@@ -86,29 +93,29 @@ def _queue_demo(settings: Any, days: int) -> int:
     from memlm.corpus import by_day, load_news
     from memlm.db.repositories import DocumentRepository, NewDocument
 
-    sessions = _migrated_sessions(settings)
-    docs = []
-    for _, batch in list(by_day(load_news()))[:days]:
-        docs.extend(batch)
-    with sessions.begin() as s:
-        accepted = DocumentRepository(s).add_many(
-            NewDocument(
-                text=d.text,
-                published_at=d.published_at,
-                source=d.source,
-                external_id=d.id,
-                title=d.title,
-                metadata=dict(d.metadata),
+    with _migrated_sessions(settings) as sessions:
+        docs = []
+        for _, batch in list(by_day(load_news()))[:days]:
+            docs.extend(batch)
+        with sessions.begin() as s:
+            accepted = DocumentRepository(s).add_many(
+                NewDocument(
+                    text=d.text,
+                    published_at=d.published_at,
+                    source=d.source,
+                    external_id=d.id,
+                    title=d.title,
+                    metadata=dict(d.metadata),
+                )
+                for d in docs
             )
-            for d in docs
+        new = sum(not a.duplicate for a in accepted)
+        tokens = sum(len(d.text) for d in docs) // 4
+        typer.echo(
+            f"demo: {len(docs)} news articles of {days} days queued ({new} new, about {tokens} "
+            "tokens); the worker logs each one as it is memorised"
         )
-    new = sum(not a.duplicate for a in accepted)
-    tokens = sum(len(d.text) for d in docs) // 4
-    typer.echo(
-        f"demo: {len(docs)} news articles of {days} days queued ({new} new, about {tokens} "
-        "tokens); the worker logs each one as it is memorised"
-    )
-    return len(docs)
+        return len(docs)
 
 
 def _die_with_parent() -> None:
@@ -178,7 +185,8 @@ def serve(
     """Run the API only (with the ingest worker thread when MEMLM_EMBEDDED_WORKER is true)."""
     _logging()
     settings = _settings()
-    _migrated_sessions(settings)
+    with _migrated_sessions(settings):
+        pass  # refuses an unmigrated database before the server starts
     _serve(settings, host, port)
 
 
@@ -191,14 +199,14 @@ def worker(
     from workers.ingest import IngestWorker
 
     settings = _settings()
-    sessions = _migrated_sessions(settings)
-    engine = open_engine(settings)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    IngestWorker(engine, sessions, settings, policy_factory=policy_factory).run(
-        stop, crash_at=crash_at
-    )
+    with _migrated_sessions(settings) as sessions:
+        engine = open_engine(settings)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        IngestWorker(engine, sessions, settings, policy_factory=policy_factory).run(
+            stop, crash_at=crash_at
+        )
 
 
 def scheduler() -> None:
@@ -208,7 +216,8 @@ def scheduler() -> None:
 
     settings = _settings()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run_scheduler(settings, _migrated_sessions(settings))
+    with _migrated_sessions(settings) as sessions:
+        run_scheduler(settings, sessions)
 
 
 def rebuild(
@@ -225,17 +234,17 @@ def rebuild(
     from memlm.db.repositories import BuildRepository
     from workers.builder import enqueue_rebuild
 
-    sessions = _migrated_sessions(_settings())
-    row, created = enqueue_rebuild(sessions, key=key, requested_by="cli", retrain=retrain)
-    typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
-    while wait and row.status in ("queued", "building"):
-        time.sleep(1)
-        with sessions() as s:
-            row = BuildRepository(s).get(row.id)
-    if wait:
-        typer.echo(f"build request {row.id}: {row.status}, version {row.version}")
-        if row.status != "done":
-            raise typer.Exit(1)
+    with _migrated_sessions(_settings()) as sessions:
+        row, created = enqueue_rebuild(sessions, key=key, requested_by="cli", retrain=retrain)
+        typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
+        while wait and row.status in ("queued", "building"):
+            time.sleep(1)
+            with sessions() as s:
+                row = BuildRepository(s).get(row.id)
+        if wait:
+            typer.echo(f"build request {row.id}: {row.status}, version {row.version}")
+            if row.status != "done":
+                raise typer.Exit(1)
 
 
 def compact(
@@ -256,27 +265,27 @@ def compact(
     from workers.builder import enqueue_rebuild, purge_database_wal
 
     settings = _settings()
-    sessions = _migrated_sessions(settings)
-    root = settings.datastore_dir
-    store = root / "datastore"
-    if not (store / "manifest.json").exists():
-        typer.echo(f"no datastore at {store}: nothing to compact")
-        return
-    with FileLock(root / BUILD_LOCK):
-        ds = Datastore.open(store, shared=True)
-        try:
-            done = ds.compact()
-            reclaimed = ds.bytes_reclaimed
-        finally:
-            ds.close()
-    purge_database_wal(sessions)
-    typer.echo(
-        f"compacted {done.segments} segments: {done.rows_removed} rows of forgotten documents "
-        f"removed, {done.bytes_reclaimed} bytes reclaimed ({reclaimed} over the store's life)"
-    )
-    if build:
-        row, created = enqueue_rebuild(sessions, requested_by="cli")
-        typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
+    with _migrated_sessions(settings) as sessions:
+        root = settings.datastore_dir
+        store = root / "datastore"
+        if not (store / "manifest.json").exists():
+            typer.echo(f"no datastore at {store}: nothing to compact")
+            return
+        with FileLock(root / BUILD_LOCK):
+            ds = Datastore.open(store, shared=True)
+            try:
+                done = ds.compact()
+                reclaimed = ds.bytes_reclaimed
+            finally:
+                ds.close()
+        purge_database_wal(sessions)
+        typer.echo(
+            f"compacted {done.segments} segments: {done.rows_removed} rows of forgotten documents "
+            f"removed, {done.bytes_reclaimed} bytes reclaimed ({reclaimed} over the store's life)"
+        )
+        if build:
+            row, created = enqueue_rebuild(sessions, requested_by="cli")
+            typer.echo(f"build request {row.id} ({row.request_key}): {row.status}, new={created}")
 
 
 @db_app.command("upgrade")
