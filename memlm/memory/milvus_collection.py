@@ -104,6 +104,7 @@ class MilvusCollection:
         connections.connect(alias=self.alias, host=url.host, port=url.port, timeout=url.timeout)
         self.server_version = str(utility.get_server_version(using=self.alias))
         self._lock = threading.Lock()  # build_index() vs itself; searches never wait for it
+        self._unsealed = 0  # rows this handle wrote since it last sealed (``_sealed``)
         self.base = url.collection
         self._handles: dict[str, Collection] = {}
         served = resolve(self.base, self.alias, self.timeout)
@@ -260,6 +261,7 @@ class MilvusCollection:
             self._upsert_into(coll, ids, keys, values, docs, positions, days)
 
         self._write(put)
+        self._sealed(len(ids))
         return ids
 
     def _check(
@@ -296,7 +298,20 @@ class MilvusCollection:
         self._write(
             lambda coll: self._upsert_into(coll, ids, keys, values, documents, positions, days)
         )
+        self._sealed(len(ids))
         return ids
+
+    def _sealed(self, wrote: int) -> None:
+        """Seal the growing segments once this handle wrote ``url.seal`` rows since it last
+        did: Milvus searches a growing segment by brute force, and seals one only at
+        ~60 MB or after hours, so between builds every search paid for every new row
+        (docs/memory.md, item 4). A sealed segment is indexed with the collection's
+        index and searched through it; its rows stay searchable throughout."""
+        self._unsealed += wrote
+        if not self.url.seal or self._unsealed < self.url.seal:
+            return
+        self._unsealed = 0
+        self._write(lambda coll: coll.flush(timeout=self.timeout))
 
     def _upsert_into(
         self,
