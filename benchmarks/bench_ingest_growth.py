@@ -9,18 +9,24 @@ writes; held-out files are the queries), stretched with jittered copies to the l
 size (``bench_memory_backends.stretch``). So "tokens/s" is the memory's ceiling on the
 worker's rate, not the worker's rate: the forward adds its own, constant, cost per token.
 
-At each size N (entries appended since the memory was created; no build in between) the
-table shows the median search time per token and the rate of ``--docs`` timed documents
-(search + append). The fill between sizes appends 2,000-entry documents, untimed.
+Each memory first holds ``--base`` entries indexed by one build with IVF_PQ (``--nlist``
+lists; faiss: its IVF-PQ index; Milvus: the collection's index, which Milvus then also
+builds on every segment sealed later). At each size N of entries appended since that
+build the table shows the median search time per token, the Milvus server's CPU time per
+token (``--milvus-pid``: /proc accounting of the server process, less sensitive than wall
+time to the other jobs on a shared machine; the server is shared too, so it is an upper
+bound) and the rate of ``--docs`` timed documents (search + append). The fill between
+sizes appends 2,000-entry documents, untimed.
 
     MEMLM_THREADS=2 python benchmarks/bench_ingest_growth.py \\
         --keys-npz /work/cache-milvus/news-keys --milvus 127.0.0.1:19530 \\
-        --sizes 10000,100000,300000
+        --sizes 10000,100000,300000 --milvus-pid "$(pgrep -f 'milvus run standalone')"
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +39,7 @@ import numpy.typing as npt
 from _common import load_average, markdown_table
 from bench_memory_backends import real_keys, stretch
 
+from memlm.index import IndexParams
 from memlm.memory import open_faiss, open_milvus
 
 FILL_DOC = 2000  # entries per untimed fill document
@@ -53,41 +60,58 @@ def grow(mem: Any, pool: npt.NDArray[np.float16], have: int, n: int, doc: int) -
     return doc
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 without one)."""
+    if not pid:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed_docs(
     mem: Any,
     pool: npt.NDArray[np.float16],
     q: npt.NDArray[np.float32],
     args: argparse.Namespace,
     doc: int,
-) -> tuple[list[float], list[float]]:
-    """(search seconds, append seconds) of ``args.docs`` documents."""
-    searches, appends = [], []
+) -> tuple[list[float], list[float], list[float]]:
+    """(search seconds, append seconds, Milvus CPU seconds of the search) of ``args.docs``
+    documents."""
+    searches, appends, cpu = [], [], []
     rng = np.random.default_rng(doc)
     for i in range(args.docs):
         a = (i * args.doc_tokens) % max(1, len(q) - args.doc_tokens)
+        c0 = cpu_seconds(args.milvus_pid)
         t0 = time.perf_counter()
         mem.search(q[a : a + args.doc_tokens], args.k)
         t1 = time.perf_counter()
+        cpu.append(cpu_seconds(args.milvus_pid) - c0)
         rows = rng.integers(0, len(pool), args.stored)
         mem.append(*entries(pool[rows], doc + i))
         t2 = time.perf_counter()
         searches.append(t1 - t0)
         appends.append(t2 - t1)
-    return searches, appends
+    return searches, appends, cpu
 
 
 def run(
     name: str, mem: Any, pool: npt.NDArray[np.float16], q: Any, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     rows = []
-    have, doc = 0, 1
+    doc = grow(mem, pool, 0, args.base, 1)
+    t0 = time.perf_counter()
+    params = IndexParams(kind="ivfpq", nlist=args.nlist, m=48, nprobe=16, train_size=args.base)
+    build = getattr(mem, "build_index", None) or mem.build  # the bare Milvus collection
+    build(params)
+    print(f"# {name}: {args.base:,} entries built ({params}) in {time.perf_counter() - t0:.1f} s")
+    have = args.base
     for n in [int(s) for s in args.sizes.split(",")]:
         t0 = time.perf_counter()
-        doc = grow(mem, pool, have, n, doc)
+        doc = grow(mem, pool, have, args.base + n, doc)
         fill = time.perf_counter() - t0
-        have = n
+        have = args.base + n
         mem.search(q[:8], args.k)  # warm (a seal's segments loaded)
-        s, a = timed_docs(mem, pool, q, args, 10_000_000 + n)
+        s, a, cpu = timed_docs(mem, pool, q, args, 10_000_000 + n)
         have += args.docs * args.stored
         doc_s = [x + y for x, y in zip(s, a, strict=True)]
         rows.append(
@@ -95,6 +119,9 @@ def run(
                 "memory": name,
                 "entries since build": n,
                 "search us/token": 1e6 * statistics.median(s) / args.doc_tokens,
+                "Milvus CPU us/token": 1e6 * statistics.median(cpu) / args.doc_tokens
+                if args.milvus_pid and name != "faiss"
+                else "",
                 "append ms/doc": 1e3 * statistics.median(a),
                 "ingest tokens/s": args.doc_tokens * len(doc_s) / sum(doc_s),
                 "fill s": fill,
@@ -112,6 +139,9 @@ def main() -> None:
     ap.add_argument("--keys-npz", type=Path, required=True)
     ap.add_argument("--milvus", default="127.0.0.1:19530", help="host:port of a Milvus server")
     ap.add_argument("--sizes", default="10000,100000,300000")
+    ap.add_argument("--base", type=int, default=20000, help="entries of the last build")
+    ap.add_argument("--nlist", type=int, default=256, help="IVF lists of that build")
+    ap.add_argument("--milvus-pid", type=int, default=None, help="the server's pid (CPU time)")
     ap.add_argument("--doc-tokens", type=int, default=512, help="tokens searched per document")
     ap.add_argument("--stored", type=int, default=256, help="entries MoNIM keeps per document")
     ap.add_argument("--docs", type=int, default=5, help="timed documents per size")
@@ -120,7 +150,7 @@ def main() -> None:
     ap.add_argument("--stretch-noise", type=float, default=0.1)
     ap.add_argument("--memories", default="faiss,milvus-unsealed,milvus-sealed")
     args = ap.parse_args()
-    top = max(int(s) for s in args.sizes.split(",")) + args.docs * args.stored * 10
+    top = args.base + max(int(s) for s in args.sizes.split(",")) + args.docs * args.stored * 10
     real, q = real_keys(args.keys_npz, 4 * args.doc_tokens)
     pool = stretch(real, top, args.stretch_noise)
     dim = pool.shape[1]
