@@ -9,7 +9,9 @@ Collection ``<name>``: ``id`` (INT64 primary key), ``value`` (next token), ``doc
   then the retry) replaces its entries instead of adding a second copy.
 - New entries are searchable through Milvus's growing segments (scanned exactly) as soon
   as the query node consumed them (~0.2 s, one time tick); ``build_index`` flushes, so they
-  are sealed and indexed, and compacts away deleted rows.
+  are sealed and indexed, and compacts away deleted rows. Between builds a handle seals
+  every ``url.seal`` rows it wrote (``_sealed``), so that the rows searched without the
+  collection's index stay bounded (docs/memory.md, "Milvus between builds").
 - The collection is a generation behind an alias named as the URL's collection
   (:mod:`memlm.memory.milvus_generations`): a build that needs another index fills the
   next generation beside the served one, loads it, switches the alias and drops the old
