@@ -337,3 +337,31 @@ def test_a_collection_made_before_aliases_becomes_a_generation_at_its_first_swit
     finally:
         reader.close()
         mem.close()
+
+
+def test_sealing_every_n_rows_keeps_entries_searchable_and_forgettable(milvus_url: str) -> None:
+    """``seal=300``: the handle seals after each 300 rows it wrote (issue 32, item 4).
+    Entries are found by their own keys at once after their append, whether their rows
+    are still growing or were just sealed, and a forget hides them in both states."""
+    rng = np.random.default_rng(3)
+    mem = open_milvus(f"{milvus_url}&seal=300", DIM)
+    try:
+        held = {}
+        for doc, flushed in [(1, 0), (2, 0), (3, 360), (4, 360), (5, 360), (6, 720), (7, 720)]:
+            held[doc] = _entries(rng, doc, 120)
+            ids = mem.append(*held[doc])
+            assert ids.tolist() == entry_ids(np.full(120, doc), held[doc][3]).tolist()
+            # sealed rows are counted by the server's statistics; growing ones are not
+            assert (doc, mem.collection.num_entities) == (doc, flushed)
+            for d, (keys, _, _, pos, _) in held.items():  # every document so far
+                found = mem.search(keys[:5], 1).ids[:, 0]
+                assert (d, found.tolist()) == (d, entry_ids(np.full(5, d), pos[:5]).tolist())
+        assert mem.count() == 840
+        for doc in (2, 7):  # sealed before the forget; still growing
+            assert mem.delete_document(doc) == 120
+            own = mem.search(held[doc][0][:5], 3).ids
+            assert not np.isin(own, entry_ids(np.full(120, doc), held[doc][3])).any()
+        assert mem.count() == 600
+    finally:
+        mem.drop()
+        mem.close()

@@ -17,14 +17,15 @@ def test_milvus_url_parts() -> None:
     u = parse_memory_url("milvus://milvus.internal:19531/news_memory")
     assert u is not None
     assert (u.host, u.port, u.collection) == ("milvus.internal", 19531, "news_memory")
-    assert (u.consistency, u.rerank, u.timeout) == ("Session", False, 60.0)
+    assert (u.consistency, u.rerank, u.timeout, u.seal) == ("Session", False, 60.0, 20_000)
     assert str(u) == "milvus://milvus.internal:19531/news_memory"
-    d = parse_memory_url("milvus://h/c?consistency=Strong&rerank=1&timeout=5")
-    assert d is not None and (d.port, d.consistency, d.rerank, d.timeout) == (
+    d = parse_memory_url("milvus://h/c?consistency=Strong&rerank=1&timeout=5&seal=0")
+    assert d is not None and (d.port, d.consistency, d.rerank, d.timeout, d.seal) == (
         19530,
         "Strong",
         True,
         5.0,
+        0,
     )
 
 
@@ -41,6 +42,8 @@ def test_milvus_url_parts() -> None:
         ("milvus://h/c?consistency=strong", "consistency"),
         ("milvus://h/c?rerank=yes", "rerank"),
         ("milvus://h/c?timeout=-1", "timeout"),
+        ("milvus://h/c?seal=-1", "seal"),
+        ("milvus://h/c?seal=many", "seal"),
     ],
 )
 def test_bad_urls_are_refused_by_name(url: str, why: str) -> None:

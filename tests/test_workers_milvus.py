@@ -171,3 +171,41 @@ def test_restart_deletes_entries_of_uncommitted_documents(
         assert d.status == "done", out[-3000:]
     assert held[done] == [0, 1, 2, 3, 4]  # committed: kept as it was
     assert held[pending] == list(range(1, d.tokens_seen + 1))  # re-memorised, not doubled
+
+
+def test_one_builder_at_a_time_per_milvus_memory_across_data_directories(
+    tmp_path: Path, pg_url: str, milvus_url: str, make_sessions: Any
+) -> None:
+    """Processes on separate data directories that share PostgreSQL and one Milvus memory
+    share its build lock (a PostgreSQL advisory lock named by the memory URL): while one
+    builds, another's build lock is busy, and a worker starting meanwhile does not drop
+    the generation the build is filling as if a killed build had left it."""
+    from memlm.encoder import Encoder
+    from memlm.engine.opening import reconcile_index
+    from memlm.index import IndexParams
+    from memlm.locks import LockBusy
+    from memlm.memory.milvus_generations import generation_name, generations
+    from workers.engine import open_engine
+
+    enc = Encoder.load("tiny-llama", threads=1)
+    a, b = (
+        make_settings(tmp_path / d, pg_url, model="tiny-llama", memory_url=milvus_url)
+        for d in ("a", "b")
+    )
+    assert (a.liveness, b.liveness) == ("database", "database")
+    ea: Any = open_engine(a, encoder=enc)
+    eb: Any = open_engine(b, encoder=enc)
+    mem = ea.memory
+    try:
+        with ea.building():
+            with pytest.raises(LockBusy), eb.building(timeout=0):
+                pass
+            # the next generation, as a blue-green build creates it before its copy
+            filling = mem._create(generation_name(mem.base, 2), IndexParams.exact())
+            reconcile_index(eb, make_sessions(pg_url), delete=True)  # B's worker starts
+            assert filling in generations(mem.base, mem.alias, mem.timeout)
+        with eb.building(timeout=0):  # free again once A's build ended
+            pass
+    finally:
+        ea.close()
+        eb.close()

@@ -10,13 +10,12 @@ own: the server drops it when the process dies (its connection closes), so, like
 
 from __future__ import annotations
 
-import hashlib
-import time
 from pathlib import Path
 
-from sqlalchemy import Connection, NullPool, create_engine, text
+from sqlalchemy import NullPool, create_engine, text
 
-from memlm.locks import FileLock, LockBusy, held_elsewhere
+from memlm.locks import FileLock, PgAdvisoryLock, held_elsewhere
+from memlm.locks import advisory_key as lock_key
 from memlm.settings import Settings
 
 
@@ -42,51 +41,15 @@ def worker_alive(settings: Settings, name: str) -> bool:
 
 def advisory_key(db_url: str, name: str) -> int:
     """A signed 64-bit advisory-lock key for a worker name (per database URL)."""
-    digest = hashlib.blake2b(f"memlm-worker\0{db_url}\0{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    return lock_key("memlm-worker", db_url, name)
 
 
-class PgWorkerLock:
+class PgWorkerLock(PgAdvisoryLock):
     """The worker's "I am alive" lock in PostgreSQL (``FileLock``'s interface)."""
 
     def __init__(self, db_url: str, name: str) -> None:
-        self.db_url = db_url
+        super().__init__(db_url, advisory_key(db_url, name), f"worker {name}")
         self.name = name
-        self.path = f"pg_advisory_lock({advisory_key(db_url, name)}) for worker {name}"
-        self._engine = create_engine(db_url, poolclass=NullPool)
-        self._conn: Connection | None = None
-
-    def acquire(self, timeout: float | None = None, poll: float = 0.5) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        conn = self._engine.connect()
-        key = advisory_key(self.db_url, self.name)
-        try:
-            while True:
-                got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
-                conn.commit()
-                if got:
-                    self._conn = conn
-                    return
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise LockBusy(f"{self.path} is held by another process")
-                time.sleep(poll)
-        except BaseException:  # busy, the database gone, or interrupted: no connection left open
-            conn.close()
-            raise
-
-    def release(self) -> None:
-        if self._conn is not None:
-            key = advisory_key(self.db_url, self.name)
-            try:
-                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                self._conn.commit()
-            finally:
-                self._conn.close()
-                self._conn = None
-
-    @property
-    def held(self) -> bool:
-        return self._conn is not None
 
 
 def pg_worker_alive(db_url: str, name: str) -> bool:

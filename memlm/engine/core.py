@@ -20,7 +20,7 @@ from memlm.engine.errors import EngineInputError
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
 from memlm.knnlm.words import WordConfig
-from memlm.locks import FileLock, LockBusy
+from memlm.locks import FileLock, LockBusy, ProcessLock
 from memlm.memory import Committed, MemoryBackend, Neighbours, Recovered, open_memory
 from memlm.memory.consolidation import ConsolidationConfig
 from memlm.memory.pointers import PointerConfig, PointerSearch
@@ -54,6 +54,7 @@ class EngineCore:
         consolidation: ConsolidationConfig | None = None,
         rerank_depth: int | None = None,
         pointers: PointerConfig | None = None,
+        build_lock: ProcessLock | None = None,
     ):
         """``knn``: the constant served until a build chooses one (default: the measured
         ``SERVED_DEFAULT``); ``grid``: what every build tunes on the held-out tokens (None:
@@ -108,7 +109,10 @@ class EngineCore:
         )
         self._write_lock = threading.Lock()  # one appender per process
         self._build_lock = threading.RLock()  # building(): this process's holder
-        self._build_file = FileLock(self.data_dir / BUILD_LOCK)  # ... and across processes
+        # ... and across processes: those of this data directory, or (``build_lock``) every
+        # process that shares the memory (a Milvus collection served to several data
+        # directories: one build, one cleanup of its generations at a time)
+        self._build_file = build_lock or FileLock(self.data_dir / BUILD_LOCK)
         self._building = 0
         # The served interpolation (constant k, T, lambda or the calibrator) of the served
         # index version; every call reads ``self.calibration.served`` once.

@@ -19,6 +19,7 @@ from memlm.engine.stats import StatsMixin
 from memlm.engine.tokens import TokensMixin
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, make_policy
+from memlm.locks import ProcessLock
 from memlm.memory import stored_key_precision
 from memlm.memory.consolidation import ConsolidationConfig
 from memlm.memory.pointers import PointerConfig
@@ -68,6 +69,7 @@ class Engine(
         consolidation: ConsolidationConfig | None = None,
         rerank_depth: int | None = None,
         pointers: PointerConfig | None = None,
+        build_lock: ProcessLock | None = None,
     ) -> Engine:
         """Load the model (or use ``encoder``) and open the memory under ``data_dir``.
 
@@ -99,6 +101,7 @@ class Engine(
             consolidation=consolidation,
             rerank_depth=rerank_depth,
             pointers=pointers,
+            build_lock=build_lock,
         )
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from memlm.db.repositories import BuildRepository, StatsRepository
 from memlm.engine.protocol import EngineLike
-from memlm.locks import LockBusy
+from memlm.locks import LockBusy, PgAdvisoryLock, ProcessLock, advisory_key
 from memlm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,21 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
             budget=settings.memory_budget_entries,
             criterion=settings.budget_criterion,
         ),
+        build_lock=shared_build_lock(settings),
         **extra,
     )
     return engine
+
+
+def shared_build_lock(settings: Settings) -> ProcessLock | None:
+    """The build lock of processes that share the memory but no data directory (workers
+    whose liveness is the database): a PostgreSQL advisory lock named by the memory's URL,
+    so that one of them at a time builds, or drops generations it thinks abandoned. None:
+    the data directory's lock file (``Engine.building``)."""
+    if settings.liveness != "database" or settings.memory_url is None:
+        return None
+    key = advisory_key("memlm-build", settings.db_url, settings.memory_url)
+    return PgAdvisoryLock(settings.db_url, key, f"index builds of {settings.memory_url}")
 
 
 def policy_factory(name: str, delta: float | None, params: dict[str, Any]) -> Any:

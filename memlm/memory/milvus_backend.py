@@ -28,8 +28,8 @@ from memlm.datastore import SimulatedCrash
 from memlm.index import BuildInfo, IndexParams, current_version, prune
 from memlm.index.versions import next_version, publish, version_name
 from memlm.memory.base import Committed, MemoryBackend, Recovered
+from memlm.memory.milvus_builds import SWAP_CRASH_POINTS, MilvusIndexed
 from memlm.memory.milvus_client import MilvusException, MilvusMemoryError, entry_ids, mapped
-from memlm.memory.milvus_collection import SWAP_CRASH_POINTS, MilvusCollection
 from memlm.memory.url import MilvusURL
 from memlm.memory.versions import DeletedCount, reconcile_versions
 
@@ -54,7 +54,7 @@ BUILD_CRASH_POINTS = (
 )
 
 
-class MilvusMemory(MilvusCollection, MemoryBackend):
+class MilvusMemory(MilvusIndexed, MemoryBackend):
     """A memory in one Milvus collection; ``root``: where its build records live (None:
     the collection alone, for tools that copy or index it: ``build_index``)."""
 

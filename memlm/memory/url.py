@@ -1,7 +1,7 @@
 """``MEMLM_MEMORY_URL``: which memory backend serves (the contract other tools set).
 
 Unset, empty or ``faiss``: the embedded files in the data directory.
-``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30]``: a Milvus
+``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000]``: a Milvus
 server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
 """
 
@@ -15,6 +15,7 @@ DEFAULT_PORT = 19530
 # Milvus collection names: a letter or underscore, then letters, digits, underscores.
 _COLLECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
 CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
+DEFAULT_SEAL = 20_000  # ~46 MB of float32 keys at d=576 (benchmarks/bench_ingest_growth.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class MilvusURL:
     consistency: str = "Session"
     rerank: bool = False  # see MilvusMemory: re-rank IVF_PQ candidates from stored keys
     timeout: float = 60.0  # seconds per call; a server that hangs is an error, not a wait
+    # Rows a handle writes before it seals the growing segments (0: never; Milvus seals
+    # only by size or age): growing segments are searched by brute force, row by row,
+    # sealed ones are indexed. See MilvusCollection and docs/memory.md (item 4).
+    seal: int = DEFAULT_SEAL
 
     def __str__(self) -> str:
         return f"milvus://{self.host}:{self.port}/{self.collection}"
@@ -57,7 +62,7 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
             "(letters, digits and underscores, not starting with a digit)"
         )
     opts = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
-    unknown = set(opts) - {"consistency", "rerank", "timeout"}
+    unknown = set(opts) - {"consistency", "rerank", "timeout", "seal"}
     if unknown:
         raise ValueError(f"memory URL {url!r}: unknown options {sorted(unknown)}")
     consistency = opts.get("consistency", "Session")
@@ -72,4 +77,10 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
         raise ValueError("memory URL: timeout must be a number of seconds") from exc
     if timeout <= 0:
         raise ValueError("memory URL: timeout must be > 0")
-    return MilvusURL(parts.hostname, port, collection, consistency, rerank == "1", timeout)
+    try:
+        seal = int(opts.get("seal", str(DEFAULT_SEAL)))
+    except ValueError as exc:
+        raise ValueError("memory URL: seal must be a number of rows") from exc
+    if seal < 0:
+        raise ValueError("memory URL: seal must be >= 0")
+    return MilvusURL(parts.hostname, port, collection, consistency, rerank == "1", timeout, seal)
