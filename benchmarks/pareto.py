@@ -10,8 +10,9 @@ no other point beats on both axes (fewer or as many entries and a perplexity as 
 lower, one of them strictly) are the frontier. A system that two runs score identically
 (bare and FullMem in every run of one split) appears once.
 
-Also the stored share per third of the stream (``thirds``): the days cut into three runs
-of about equal tokens seen; per third, the MemRate (entries stored that third / tokens
+Also the stored share per third of the stream (``thirds``): a day belongs to the third
+that holds its middle token (scripts/memrate_trend.py's rule, whose MemRate per third this
+repeats); per third, the MemRate (entries stored that third / tokens
 seen that third) and the share held at the third's end (entries after that evening /
 tokens seen so far), which falls under a budget even where the MemRate does not.
 
@@ -180,8 +181,6 @@ def plot(pts: Sequence[Point], out: Path, fullmem: Point | None) -> None:
     for fam, ps in families.items():
         xs = [p.entries for p in ps]
         ys = [p.ppl for p in ps]
-        err = [[p.ppl - p.ci[0] for p in ps], [p.ci[1] - p.ppl for p in ps]]
-        ax.errorbar(xs, ys, yerr=err, fmt="o", ms=5, capsize=2, alpha=0.35, color="none")
         ax.scatter(xs, ys, s=28, label=fam, zorder=3)
         for p in ps:
             ax.annotate(
@@ -192,6 +191,8 @@ def plot(pts: Sequence[Point], out: Path, fullmem: Point | None) -> None:
     if fullmem is not None:
         ax.axhline(fullmem.ppl * 1.005, color="grey", lw=0.8, ls=":", label="FullMem +0.5%")
     ax.set_xlabel("entries held at the end of the stream")
+    # no error bars: the test articles' CIs (in the table) span several ppl and overlap
+    # everywhere, and would flatten the differences the paired win shares resolve
     ax.set_ylabel("test perplexity")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
