@@ -15,7 +15,7 @@ memlm: the fp16 keys of ``Encoder.encode_ids`` in a faiss memory built with the
 service's parameters for its size (exact FLAT under 50k entries), scored by
 ``Engine.score_ids`` (the ``/score`` path, constant k, T, lambda, no calibrator), at
 bfloat16 (the default precision here) and float32; beside it memlm's bare forward
-(``Encoder.encode_ids`` of the same documents), interleaved document by document.
+(``Encoder.encode_ids`` of the same documents).
 Peer: ``KNNSaver`` writes its fp16 keys and values while the model runs the memory
 windows (labels -100 before each window's first scored target), an exact
 ``IndexFlatL2`` over those keys replaces the IVF-PQ its ``build_index`` makes, and
@@ -23,6 +23,11 @@ windows (labels -100 before each window's first scored target), an exact
 its perplexity is ``exp`` of the mean of the Hugging Face loss, as its ``run_clm.py``
 reports it. Beside it the same HF model without the wrapper. float32: the peer's faiss
 search takes float32 queries.
+
+The memories are built first; then every path (each side's kNN-LM and bare forward) reads
+each evaluation document in turn, the order rotated by document, so that the load of a
+shared machine reaches all paths alike. One process: the peer's import of
+``faiss.contrib.torch_utils`` wraps faiss's search for memlm too (a type check per call).
 
 Run-time adaptations of the peer, none of which changes what it computes: its table of
 layers gains ``llama`` (``model.model.layers[-1].mlp``, input captured: the key memlm
@@ -43,6 +48,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -95,13 +102,22 @@ def labelled_windows(ids: list[int], window: WindowConfig) -> list[tuple[list[in
 # --- memlm --------------------------------------------------------------------------------
 
 
-def run_memlm(
-    precision: str,
-    memory: list[list[int]],
-    evaluation: list[list[int]],
-    args: argparse.Namespace,
-    workdir: Path,
-) -> dict[str, Any]:
+@dataclass
+class Side:
+    """One implementation at one precision: its memory built, and its two ways to read a
+    document: ``knn`` (summed log-prob of the scored targets, their count) and ``bare``."""
+
+    name: str
+    entries: int
+    index: str
+    save_tps: float  # tokens/s of building the memory (forwards + writes)
+    knn: Callable[[list[int]], tuple[float, int]]
+    bare: Callable[[list[int]], object]
+
+
+def memlm_side(
+    precision: str, memory: list[list[int]], args: argparse.Namespace, workdir: Path
+) -> Side:
     from memlm.encoder import Encoder
     from memlm.engine import Engine
     from memlm.index import IndexParams
@@ -110,7 +126,7 @@ def run_memlm(
 
     enc = Encoder.load(threads=args.threads, precision=precision)
     window = WindowConfig()
-    enc.encode_ids(evaluation[0][:256], window)  # warm-up: the first forward allocates
+    enc.encode_ids(memory[0][:256], window)  # warm-up: the first forward allocates
     data = workdir / f"memlm-{precision}"
     mem = open_memory(None, data, enc.dim, key_precision=enc.precision)
     t0 = time.perf_counter()
@@ -126,33 +142,20 @@ def run_memlm(
     knn = KnnParams(k=args.k, temperature=args.temperature, lmbda=args.lmbda)
     eng = Engine.open(data, encoder=enc, knn=knn, grid=None, policy="fullmem")
     eng.reload_index()
-    logprobs: list[float] = []
-    knn_s = bare_s = 0.0
-    lambdas: set[float] = set()
-    for j, ids in enumerate(evaluation):
-        for path in ("knn", "bare") if j % 2 == 0 else ("bare", "knn"):
-            t0 = time.perf_counter()
-            if path == "knn":
-                res = eng.score_ids(ids)
-                knn_s += time.perf_counter() - t0
-                logprobs.extend(res.logprobs)
-                lambdas.update(res.lambdas)
-            else:
-                enc.encode_ids(ids, window)
-                bare_s += time.perf_counter() - t0
-    eng.close()
-    tokens = len(logprobs)
-    return {
-        "side": f"memlm {precision}",
-        "entries": n,
-        "index": params.kind,
-        "save tok/s": sum(len(d) - 1 for d in memory) / save_s,
-        "ppl": math.exp(-float(np.mean(logprobs))),
-        "tokens": tokens,
-        "kNN-LM tok/s": tokens / knn_s,
-        "bare tok/s": tokens / bare_s,
-        "lambdas": sorted(lambdas),
-    }
+
+    def score(ids: list[int]) -> tuple[float, int]:
+        res = eng.score_ids(ids)
+        assert set(res.lambdas) == {args.lmbda}, "a constant lambda on every token"
+        return float(np.sum(res.logprobs)), len(res.logprobs)
+
+    return Side(
+        f"memlm {precision}",
+        n,
+        params.kind,
+        sum(len(d) - 1 for d in memory) / save_s,
+        score,
+        lambda ids: enc.encode_ids(ids, window),
+    )
 
 
 # --- the peer ------------------------------------------------------------------------------
@@ -224,16 +227,15 @@ def _nll(model: Any, windows: list[tuple[list[int], list[int]]]) -> tuple[float,
 
 
 @torch.inference_mode()
-def run_peer(
-    memory: list[list[int]], evaluation: list[list[int]], args: argparse.Namespace, workdir: Path
-) -> list[dict[str, Any]]:
+def peer_side(memory: list[list[int]], args: argparse.Namespace, workdir: Path) -> list[Side]:
+    """The peer's kNN-LM (and the same HF model without it), its memory saved and indexed."""
     peer = load_peer(args.peer_dir)
     window = WindowConfig()
     size = sum(len(d) - 1 for d in memory)
     dim = 576
     folder = workdir / "peer"
     model = hf_model()
-    _nll(model, labelled_windows(evaluation[0][:256], window))  # warm-up
+    _nll(model, labelled_windows(memory[0][:256], window))  # warm-up
     saver = peer.KNNSaver(dstore_size=size, dstore_dir=str(folder), dimension=dim)
     saver.break_into(model)
     t0 = time.perf_counter()
@@ -261,32 +263,54 @@ def run_peer(
     )
     wrapper.break_into(model)
     bare = hf_model()
-    knn_nll = bare_nll = knn_s = bare_s = 0.0
-    tokens = 0
+
+    @torch.inference_mode()
+    def score(m: Any, ids: list[int]) -> tuple[float, int]:
+        nll, n = _nll(m, labelled_windows(ids, window))
+        return -nll, n
+
+    return [
+        Side(
+            "knn-transformers float32",
+            size,
+            "flat",
+            size / save_s,
+            lambda ids: score(model, ids),
+            lambda ids: score(bare, ids),
+        ),
+    ]
+
+
+def evaluate(sides: list[Side], evaluation: list[list[int]]) -> list[dict[str, Any]]:
+    """Every side's kNN-LM and bare forward on each document in turn, the order rotated
+    document by document, so that a change of the machine's load reaches all alike."""
+    paths = [(i, kind) for i in range(len(sides)) for kind in ("knn", "bare")]
+    seconds = {p: 0.0 for p in paths}
+    logprob = [0.0] * len(sides)
+    tokens = [0] * len(sides)
     for j, ids in enumerate(evaluation):
-        windows = labelled_windows(ids, window)
-        for path in ("knn", "bare") if j % 2 == 0 else ("bare", "knn"):
+        r = j % len(paths)
+        for i, kind in paths[r:] + paths[:r]:
             t0 = time.perf_counter()
-            nll, n = _nll(model if path == "knn" else bare, windows)
-            if path == "knn":
-                knn_s += time.perf_counter() - t0
-                knn_nll += nll
-                tokens += n
+            if kind == "knn":
+                lp, n = sides[i].knn(ids)
+                logprob[i] += lp
+                tokens[i] += n
             else:
-                bare_s += time.perf_counter() - t0
-                bare_nll += nll
-    wrapper.break_out()
-    common = {"side": "knn-transformers float32", "entries": size, "index": "flat"}
+                sides[i].bare(ids)
+            seconds[(i, kind)] += time.perf_counter() - t0
     return [
         {
-            **common,
-            "save tok/s": size / save_s,
-            "ppl": math.exp(knn_nll / tokens),
-            "tokens": tokens,
-            "kNN-LM tok/s": tokens / knn_s,
-            "bare tok/s": tokens / bare_s,
-            "lm ppl": math.exp(bare_nll / tokens),
+            "side": s.name,
+            "entries": s.entries,
+            "index": s.index,
+            "save tok/s": s.save_tps,
+            "ppl": math.exp(-logprob[i] / tokens[i]),
+            "tokens": tokens[i],
+            "kNN-LM tok/s": tokens[i] / seconds[(i, "knn")],
+            "bare tok/s": tokens[i] / seconds[(i, "bare")],
         }
+        for i, s in enumerate(sides)
     ]
 
 
@@ -352,15 +376,21 @@ def main() -> None:
         flush=True,
     )
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="knnt-"))
-    rows = []
+    sides = []
     for precision in args.precisions.split(","):
-        rows.append(run_memlm(precision, memory, evaluation, args, workdir))
-        print(f"# {rows[-1]}; load {load_average()}", flush=True)
+        sides.append(memlm_side(precision, memory, args, workdir))
+        print(
+            f"# {sides[-1].name}: memory saved, {sides[-1].save_tps:.0f} tok/s; load {load_average()}"
+        )
     if args.peer_dir is None:
         print("# no --peer-dir: the peer's rows are not measured")
     else:
-        rows.extend(run_peer(memory, evaluation, args, workdir))
-        print(f"# {rows[-1]}; load {load_average()}", flush=True)
+        sides.extend(peer_side(memory, args, workdir))
+        print(
+            f"# {sides[-1].name}: memory saved, {sides[-1].save_tps:.0f} tok/s; load {load_average()}"
+        )
+    print(f"# evaluating, every path on each document in turn; load {load_average()}", flush=True)
+    rows = evaluate(sides, evaluation)
     print()
     print(table(rows))
     print(f"\nload after: {load_average()}")
