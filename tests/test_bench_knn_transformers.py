@@ -27,6 +27,7 @@ def _load() -> ModuleType:
     )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_knnt"] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
     return mod
 
