@@ -340,20 +340,11 @@ def record_builds(db_url: str, root: Path) -> None:
             )
 
 
-def predict_latency(
-    args: argparse.Namespace, data_dir: Path, st: Stretcher, threads: int
-) -> dict[str, Any]:
-    """p50/p99 of HTTP /predict and engine.predict beside the bare forward, interleaved."""
-    import threading
-
-    import httpx
-    import torch
-    import uvicorn
-
+def open_served(data_dir: Path, threads: int) -> tuple[Any, Any]:
+    """``(settings, engine)`` serving a store's folder, its built versions recorded."""
     from memlm.db.migrate import upgrade
     from memlm.engine import open_engine
     from memlm.settings import Settings
-    from service.app import create_app
 
     settings = Settings(
         _env_file=None,  # type: ignore[call-arg]
@@ -364,7 +355,30 @@ def predict_latency(
     )
     upgrade(settings.db_url)
     record_builds(settings.db_url, data_dir / "memory" / "index")
-    engine: Any = open_engine(settings)
+    return settings, open_engine(settings)
+
+
+def predict_latency(
+    args: argparse.Namespace,
+    data_dir: Path,
+    st: Stretcher,
+    threads: int,
+    served: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """p50/p99 of HTTP /predict and engine.predict beside the bare forward, interleaved.
+
+    ``served``: ``open_served``'s pair to time (the caller closes its engine); else one
+    opened and closed here.
+    """
+    import threading
+
+    import httpx
+    import torch
+    import uvicorn
+
+    from service.app import create_app
+
+    settings, engine = served or open_served(data_dir, threads)
     enc = engine.encoder
     contexts = []
     for text in st.next_texts:
@@ -411,7 +425,8 @@ def predict_latency(
         out[f"{name} p99 ms"] = float(np.percentile(ms, 99))
     out["http/bare p50"] = out["http p50 ms"] / out["bare p50 ms"]
     out["engine/bare p50"] = out["engine p50 ms"] / out["bare p50 ms"]
-    engine.close() if hasattr(engine, "close") else None
+    if served is None:
+        engine.close()
     return out
 
 

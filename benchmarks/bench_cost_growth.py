@@ -1,0 +1,181 @@
+"""How the cost grows with the memory: ingest tokens/s and ``/predict`` p50 at N entries.
+
+For each N (``--sizes``), on the faiss backend with the index a nightly build makes
+(``build_index(retrain=True)``: ``IndexParams.for_size(N)``), over the keys of
+``bench_scale.py`` (real SmolLM2-135M news keys stretched to N by its generator):
+
+- **ingest, memory side**: the ingest worker's per-document work, MoNIM's
+  ``prepare_document`` (search k=64 against the served memory, the augmented scores, the
+  decision) and ``store_document`` (the durable append), on ``--ingest-docs`` news
+  articles the keys never saw; their encoder outputs are computed once before and served
+  from that cache, so the timing is the memory's share alone. Tokens/s of that, and the
+  encoder's own tokens/s on the same articles (``Encoder.encode_ids``, the work the cache
+  stood in for, timed in the same run); the worker's rate is about
+  ``1 / (1 / encoder + 1 / memory)``;
+- **``/predict``**: ``bench_scale.predict_latency`` on the same served engine (HTTP via
+  uvicorn, ``engine.predict`` and the bare forward + head, 128-token contexts,
+  interleaved): p50 / p99 and the ratio to the bare forward.
+
+/predict runs first, so the contexts search the N built entries (the ingest then adds
+its own, a few thousand, to the fresh part).
+
+    MEMLM_THREADS=1 PYTHONPATH=. nice -n 5 python benchmarks/bench_cost_growth.py \\
+        --keys-npz /work/cache-speed/news-keys --sizes 100000,1000000 --workdir /work/growth
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import faiss
+
+from memlm.datastore import Datastore
+from memlm.index import build_index
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import load_average, markdown_table  # noqa: E402
+from bench_scale import Stretcher, open_served, predict_latency  # noqa: E402
+
+
+def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any]:
+    """Memory-side tokens/s of MoNIM's ingest (encoder outputs cached) and the encoder's."""
+    enc = engine.encoder
+    ids = [enc.tokenize(t) for t in texts]
+    enc.encode_ids(ids[0][:256], engine.window)  # warm-up: the first forward allocates
+    cached: dict[tuple[int, ...], Any] = {}
+    t0 = time.perf_counter()
+    for i in ids:
+        cached[tuple(i)] = enc.encode_ids(i, engine.window)
+    encode_s = time.perf_counter() - t0
+    tokens = sum(len(o) for o in cached.values())
+
+    def from_cache(i: list[int], window: Any, key_ce: bool = False) -> Any:
+        assert not key_ce, "MoNIM(loss) asks for no key cross-entropy"
+        return cached[tuple(i)]
+
+    enc.encode_ids = from_cache  # instance attribute: this run only, removed below
+    prepare_s = store_s = 0.0
+    stored = 0
+    try:
+        for j, text in enumerate(texts):
+            t0 = time.perf_counter()
+            prep = engine.prepare_document(first_doc + j, text, 0)
+            t1 = time.perf_counter()
+            res = engine.store_document(prep)
+            prepare_s += t1 - t0
+            store_s += time.perf_counter() - t1
+            stored += res.tokens_stored
+    finally:
+        del enc.encode_ids
+    memory_s = prepare_s + store_s
+    return {
+        "ingest tokens": tokens,
+        "MemRate": stored / tokens,
+        "encoder tok/s": tokens / encode_s,
+        "memory tok/s": tokens / memory_s,
+        "search+decide ms/tok": prepare_s / tokens * 1000,
+        "append ms/tok": store_s / tokens * 1000,
+        "memory/encoder time": memory_s / encode_s,
+        "worker tok/s": tokens / (encode_s + memory_s),
+    }
+
+
+def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
+    top = args.workdir / f"n{n}"
+    shutil.rmtree(top, ignore_errors=True)
+    data_dir = top / "memory"  # Settings(data_dir=top).datastore_dir: what the API serves
+    data_dir.mkdir(parents=True)
+    row: dict[str, Any] = {"N": n, "load before": load_average()}
+    ds = Datastore.open(data_dir / "datastore", dim=st.dim)
+    st.fill(ds, 0, n)
+    t0 = time.perf_counter()
+    built = build_index(ds, data_dir / "index", retrain=True, progress=False, threads=args.threads)
+    row["build s"] = time.perf_counter() - t0
+    p = built.params
+    row["index"] = f"{p.kind} nlist {p.nlist} m {p.m} nprobe {p.nprobe}"
+    ds.close()
+    print(f"# N={n}: built in {row['build s']:.0f} s ({row['index']}), load {load_average()}")
+    served = open_served(top, args.threads)
+    try:
+        row["precision"] = served[1].encoder.precision
+        row.update(predict_latency(args, top, st, args.threads, served=served))
+        texts = st.next_texts[-args.ingest_docs :]  # /predict's contexts are the first ones
+        row.update(ingest_rates(served[1], texts, first_doc=10_000_000))
+    finally:
+        served[1].close()
+    row["load after"] = load_average()
+    if not args.keep:
+        shutil.rmtree(top)
+    return row
+
+
+COLUMNS = [
+    ("N", "N"),
+    ("index", "index"),
+    ("build s", "build s"),
+    ("encoder tok/s", "encoder alone tok/s"),
+    ("memory tok/s", "ingest memory side tok/s"),
+    ("search+decide ms/tok", "search+decide ms/tok"),
+    ("append ms/tok", "append ms/tok"),
+    ("memory/encoder time", "memory / encoder time"),
+    ("worker tok/s", "worker tok/s (sum)"),
+    ("http p50 ms", "/predict p50 ms"),
+    ("http p99 ms", "/predict p99 ms"),
+    ("bare p50 ms", "bare fwd p50 ms"),
+    ("http/bare p50", "/predict / bare p50"),
+    ("load before", "load before"),
+    ("load after", "load after"),
+]
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if v < 10 else f"{v:,.0f}"
+    return str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--keys-npz", type=Path, required=True, help="bench_scale's key folder")
+    ap.add_argument("--sizes", default="100000,1000000")
+    ap.add_argument("--heldout", type=int, default=8, help="last key files kept out")
+    ap.add_argument("--noise", type=float, default=0.5, help="a of bench_scale's generator")
+    ap.add_argument("--ingest-docs", type=int, default=6, help="articles MoNIM ingests per N")
+    ap.add_argument("--requests", type=int, default=30, help="timed /predict calls per N")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/memlm-growth"))
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("MEMLM_THREADS", "1")))
+    ap.add_argument("--keep", action="store_true", help="keep the stores")
+    args = ap.parse_args()
+    faiss.omp_set_num_threads(args.threads)
+    st = Stretcher(args.keys_npz, args.heldout, args.noise)
+    print(
+        f"# {st.real} real keys of {len(st.articles)} articles; threads {args.threads}; "
+        f"faiss {faiss.__version__}; {os.cpu_count()} cores; load {load_average()}",
+        flush=True,
+    )
+    rows = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        rows.append(bench_n(args, st, n))
+        print({k: _cell(v) for k, v in rows[-1].items()}, flush=True)
+    print()
+    print(
+        markdown_table(
+            [title for _, title in COLUMNS],
+            [[_cell(r.get(key, "-")) for key, _ in COLUMNS] for r in rows],
+        )
+    )
+    print(
+        f"\nprecision {rows[0].get('precision')}; MemRate "
+        + ", ".join(f"{r['N']}: {r['MemRate']:.3f}" for r in rows)
+    )
+
+
+if __name__ == "__main__":
+    main()
