@@ -34,18 +34,16 @@ at the default slice, docs/calibrator.md "The service replays what the harness m
   with the harness's windows (512, stride 256; ``max_score_tokens`` is raised so that a
   long article is one request): the same 2,557 test tokens and the bare LM's ppl to
   within 0.00%.
-- **What the interpolation is fitted on.**  The harness fits the evidence model each
-  evening on its dev documents (held out, never memorised, searched against that
-  evening's memory).  The service has no dev documents: each build fits on the held-out
-  tokens its worker recorded at ingest (the first document of each day and a seeded 5% of
-  the others, searched just before they joined the memory, and again as "seen"), and
-  keeps the fit only if it beats the prior on a validation split of them.  On the first
-  evening the service has nothing to validate on: the first day's first document was
-  searched against an empty memory, so its held-out view has no neighbour, and the build
-  serves the prior at the default T 2 where the harness serves its dev fit at T 1.  The
-  harness's own test tokens scored with the service's three evening models give the
-  replay's first-day ppl exactly and account for all of the ppl difference (+0.34% of
-  the +0.26%).
+- **What the interpolation is fitted on.**  The harness fits each evening on its dev
+  documents (held out, never memorised, searched against that evening's memory), and with
+  ``--lambda served`` trains the calibrator on them too.  The service has no dev
+  documents: each build fits on the held-out tokens its worker recorded at ingest (the
+  first document of each day and a seeded 5% of the others, searched just before they
+  joined the memory, and again as "seen"), and keeps a fit only if it beats the prior on
+  a validation split of them.  So the service serves the prior for longer and its
+  calibrator trains later (2026-11-27, ``--lambda served``: +0.71%, most of it the third
+  evening, where the harness serves the combination and the service the evidence;
+  docs/calibrator.md, "The service replays what the harness measures").
 - **MoNIM's decisions.**  Both decide with the interpolation they serve at the time (the
   prior, then each evening's fit), so the second day's entries differ as the first
   evening's interpolation does (12 more entries of 8,110; 20 of 12,695 at the end; they
