@@ -73,3 +73,23 @@ def test_params_validation():
         KnnParams(temperature=0)
     with pytest.raises(ValueError):
         KnnParams(lmbda=1.5)
+
+
+def test_knn_logprob_in_row_blocks_is_bit_identical_to_one_block(monkeypatch):
+    """The (rows, m, k) comparison is built a block of rows at a time (a document at
+    k = 1,024 would need gigabytes in one piece); each row alone, so no bit changes."""
+    import memlm.knnlm.mixture as mixture
+
+    rng = np.random.default_rng(3)
+    n, k, m = 37, 16, 18
+    dist = np.sort(rng.random((n, k)).astype(np.float32) * 5, axis=1)
+    ids = np.where(rng.random((n, k)) < 0.1, -1, rng.integers(0, 1000, (n, k)))
+    vals = np.where(ids >= 0, rng.integers(0, 6, (n, k)), -1)
+    tokens = rng.integers(0, 6, (n, m))
+    temps = rng.random(n) * 3 + 0.5
+    whole = mixture.knn_logprob(dist, ids, vals, tokens, temps)
+    monkeypatch.setattr(mixture, "_MATCH_ELEMENTS", m * k * 5)  # 5 rows a block
+    np.testing.assert_array_equal(mixture.knn_logprob(dist, ids, vals, tokens, temps), whole)
+    monkeypatch.setattr(mixture, "_MATCH_ELEMENTS", 1)  # one row a block
+    np.testing.assert_array_equal(mixture.knn_logprob(dist, ids, vals, tokens, temps), whole)
+    assert mixture.knn_logprob(dist[:0], ids[:0], vals[:0], tokens[:0], 1.0).shape == (0, m)
