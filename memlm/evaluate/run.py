@@ -303,19 +303,20 @@ def run_policy(
         if rescore is not None and policy is not None and last_of_month:
             rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz", rerank_depth)
         if ingest_params is None and policy is not None and policy.needs_augmented:
+            dev_rows = dev.arrays(k_max)  # one copy of the dev tokens so far, k_max wide
             choice = choose_constant(
-                dev.arrays(k_max), served_grid, served_default, min_tokens=served_min_tokens
+                dev_rows, served_grid, served_default, min_tokens=served_min_tokens
             )
             state.served = {"params": choice.params, "source": choice.source}
             if evenings is not None:  # the service's build on the dev tokens so far
-                rows = with_seen_view(dev.arrays(k_max), plans[: day_index + 1], cache)
+                rows = with_seen_view(dev_rows, plans[: day_index + 1], cache)
                 version = int(rows["day"].max()) if len(rows["day"]) else None
                 if version is not None:
                     evenings.build(rows, version)
                     state.served["version"] = version
             elif ingest_evidence:  # fitted on the dev tokens so far, as a build would
                 model, temperature = fit_best(
-                    views(dev.arrays(k_max)), choice.params.k, served_grid.temperatures
+                    views(dev_rows), choice.params.k, served_grid.temperatures
                 )
                 state.served["params"] = replace(choice.params, temperature=temperature)
                 state.served["evidence"] = model.to_json()
