@@ -185,6 +185,41 @@ def test_a_tie_in_one_view_serves_only_with_a_gain_in_the_other() -> None:
     assert tie["serve"] is False
 
 
+@pytest.mark.parametrize(
+    ("held_gain", "seen_loss", "serve"),
+    [
+        (0.006, 0.0005, True),  # the 57-day stream's evenings: a gain pays a tiny seen loss
+        (0.006, 0.0, True),
+        (0.0004, 0.0005, False),  # the seen loss is larger than the gain that would pay it
+        (0.006, 0.0015, False),  # over the tolerance, whatever the gain
+        (0.0, 0.0005, False),  # no gain anywhere
+        (-0.001, 0.0, False),  # held-out text gets no tolerance
+    ],
+)
+def test_the_seen_view_tolerates_a_loss_the_held_out_gain_pays_for(
+    monkeypatch: pytest.MonkeyPatch, held_gain: float, seen_loss: float, serve: bool
+) -> None:
+    """The rule itself, on given per-view NLLs (the views' NLLs: the tests above)."""
+    from memlm.calibrator import combined
+
+    assert combined.SEEN_TOLERANCE == pytest.approx(1e-3)
+    nll = {"held-out": (3.2, 3.2 - held_gain), "seen": (0.027, 0.027 + seen_loss)}
+
+    def fake(rows: dict[str, np.ndarray], *_: object) -> dict[str, object]:
+        name = "seen" if "seen" in rows else "held-out"
+        ev, comb = nll[name]
+        return {"tokens": 10, "evidence_nll": ev, "combined_nll": comb}
+
+    monkeypatch.setattr(combined, "view", lambda rows, name: {name: np.zeros(1)})
+    monkeypatch.setattr(combined, "view_nlls", fake)
+    rows = {"gold": np.zeros(4)}
+    got = combined.decide(rows, np.ones(4, bool), PRIOR, constant_calibrator(0.3), K, 2.0, 2.0)
+    assert got["serve"] is serve
+    assert got["seen_tolerance"] == combined.SEEN_TOLERANCE
+    if not serve and held_gain > 0 and seen_loss > 0:
+        assert got["reason"] == "the evidence alone is better in the seen view"
+
+
 def test_a_build_records_the_decision_and_the_loader_serves_the_combination(
     tmp_path: Path,
 ) -> None:
