@@ -335,7 +335,6 @@ def test_monim_served_decides_with_what_each_evenings_build_serves(tmp_path, enc
     (the evidence, the calibrator where the combination serves), as the service's worker
     does; a day's stores equal MoNIM's decision recomputed from that evening's files."""
     from memlm.calibrator.constant import TuneGrid as Grid
-    from memlm.evaluate.run import _served_scores
     from memlm.evaluate.served import EveningBuilds
 
     docs = _stream(days=3, per_day=6)
@@ -392,10 +391,11 @@ def test_monim_served_decides_with_what_each_evenings_build_serves(tmp_path, enc
     for o in cache.get_many([d.text for d in plans[2].train]):
         lexical.update(np.concatenate([o.prev_tokens[:1], o.targets]))
 
-        def search(kind, o_, k, depth):
-            return index.search_values(o_.keys, k, depth=depth)
+        def search(width, o_=o):
+            return index.search_values(o_.keys, width)
 
-        *_, scores = _served_scores(evenings.served, o, lexical, cache, search, None)
+        # the scores the service's worker computes (memlm.engine.core ``_scores``)
+        scores, *_ = evenings.served.scores(enc, o, search, lexical)
         mask = MoNIM().decide(scores)
         stored += int(mask.sum())
         if mask.any():  # the morning's memory grows as the day's documents are stored

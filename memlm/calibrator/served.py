@@ -20,15 +20,17 @@ from memlm.calibrator import evidence as evidence_files
 from memlm.calibrator import retrain as build_time
 from memlm.calibrator.combined import calibrator_lambdas, combine, from_calibrator
 from memlm.calibrator.evidence import PRIOR, EvidenceModel
-from memlm.calibrator.features import token_features
+from memlm.calibrator.features import TOP_N, token_features
 from memlm.calibrator.heldout_set import TRAIN_FILE, HeldoutSet, file_stamp
 from memlm.calibrator.model import CALIBRATOR_DIR, Calibrator, CalibratorConfig
 from memlm.calibrator.retrain import GATE_DIR, saved_versions
 from memlm.knnlm import KnnParams
+from memlm.knnlm.policy import TokenScores, token_scores
 
 if TYPE_CHECKING:
     from memlm.calibrator.constant import ConstantChoice, TuneGrid
     from memlm.calibrator.lexical import LexicalStats
+    from memlm.encoder import Encoder, TokenOutputs
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,37 @@ class ServedInterpolation:
     ) -> np.ndarray:
         """(m,) lambda of each token (:meth:`mix`)."""
         return self.mix(top_logprob, entropy, prev_tokens, distances, values, qnorm, context)[0]
+
+    def scores(
+        self,
+        encoder: Encoder,
+        out: TokenOutputs,
+        search: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+        lexical: LexicalStats | None = None,
+    ) -> tuple[TokenScores, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The augmented model's scores of one document under this interpolation: what
+        /score answers and what MoNIM decides with, in the service's worker and in
+        ``memlm eval --lambda served`` alike.
+
+        ``search(width)``: (distances, ids, values) of the document's tokens, ``width``
+        columns sorted by distance (``max(k, TOP_N)`` where the calibrator takes part: its
+        density features read the top 10); ``lexical``: the statistics the calibrator's
+        lexical features read (None: the served ones).  Returns the scores, lambda (0 where
+        the gate skips the search) and T per token, and the search cut to k columns."""
+        k = self.params.k
+        dist, ids, vals = search(max(k, TOP_N) if self.uses_calibrator else k)
+        qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
+        stats = self.lexical if lexical is None else lexical
+        lex = None
+        if self.uses_calibrator and stats is not None:
+            lex = stats.features(out.prev_tokens)
+        lam, temps = self.mix_of(
+            out.top_logprob, out.entropy, lex, dist, vals, qnorm, out.positions
+        )
+        lam = np.where(self.gate_mask(out.top_logprob, out.entropy, out.prev_tokens), lam, 0.0)
+        dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
+        scores = token_scores(encoder, out, dist, vals, self.params, lmbda=lam, temperature=temps)
+        return scores, lam, temps, (dist, ids, vals)
 
     def to_json(self) -> dict[str, Any]:
         """What /admin/stats shows: the served constant, where it came from, lambda's source."""

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from memlm.calibrator import TOP_N, ServedCalibration, ServedInterpolation
+from memlm.calibrator import ServedCalibration, ServedInterpolation
 from memlm.calibrator.constant import MIN_TUNE_TOKENS, SERVED_DEFAULT, SERVED_GRID, TuneGrid
 from memlm.calibrator.heldout import PENDING_DIR, HeldOutConfig, HeldOutRecorder
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig
 from memlm.engine.errors import EngineInputError
 from memlm.knnlm import KnnParams
-from memlm.knnlm.policy import Policy, TokenScores, make_policy, token_scores
+from memlm.knnlm.policy import Policy, TokenScores, make_policy
 from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy, ProcessLock
 from memlm.memory import Committed, MemoryBackend, Neighbours, Recovered, open_memory
@@ -163,19 +163,7 @@ class EngineCore:
 
         The same model answers /score and decides what MoNIM stores (docs/calibrator.md).
         """
-        k = served.params.k
-        # the calibrator's density features describe the top 10 neighbours
-        width = max(k, TOP_N) if served.uses_calibrator else k
-        dist, ids, vals = self._search_document(out, width)
-        qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
-        lam, temps = served.mix(
-            out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions
-        )
-        dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
-        scores = token_scores(
-            self.encoder, out, dist, vals, served.params, lmbda=lam, temperature=temps
-        )
-        return scores, lam, temps, (dist, ids, vals)
+        return served.scores(self.encoder, out, lambda width: self._search_document(out, width))
 
     def _search_document(self, out: TokenOutputs, k: int) -> Neighbours:
         """The k neighbours of a document's tokens: one search, or the pointers first."""

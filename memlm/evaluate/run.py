@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from memlm.calibrator import ServedInterpolation
 from memlm.calibrator.constant import (
     MIN_TUNE_TOKENS,
     SERVED_DEFAULT,
@@ -21,7 +21,6 @@ from memlm.calibrator.constant import (
     choose_constant,
 )
 from memlm.calibrator.evidence import PRIOR, EvidenceModel, fit_best, views
-from memlm.calibrator.features import TOP_N
 from memlm.calibrator.lexical import LexicalStats
 from memlm.corpus import Document
 from memlm.datastore import Datastore
@@ -226,8 +225,12 @@ def run_policy(
             if policy is None or n == 0:
                 continue
             if evenings is not None:
-                dist, nb_ids, vals, scores = _served_scores(
-                    evenings.served, o, lexical, cache, neighbours_of, ingest_rerank_depth
+                # the service worker's scores (memlm.engine.core ``_scores``)
+                scores, _, _, (dist, nb_ids, vals) = evenings.served.scores(
+                    cache.encoder,
+                    o,
+                    functools.partial(neighbours_of, "ingest", o, depth=ingest_rerank_depth),
+                    lexical,
                 )
                 if consolidation is not None:
                     t_usage = time.perf_counter()
@@ -396,33 +399,3 @@ def _load_ood(
     return {
         name: checkpoint.load_arrays(workdir / "eval" / f"ood-{name}.npz") for name in ood or {}
     }
-
-
-def _served_scores(
-    served: ServedInterpolation,
-    o: TokenOutputs,
-    lexical: LexicalStats,
-    cache: TokenCache,
-    neighbours_of: Callable[[str, TokenOutputs, int, int | None], tuple[Any, Any, Any]],
-    depth: int | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, TokenScores]:
-    """MoNIM's scores of one document as the service's worker computes them
-    (memlm.engine.core's ``_scores``): the search at ``max(k, TOP_N)`` for the
-    calibrator's density features, lambda and T per token from ``served``, the augmented
-    model at the served k.  Returns the k-wide search (distances, ids, values) and the
-    scores."""
-    k = served.params.k
-    dist, ids, vals = neighbours_of("ingest", o, max(k, TOP_N), depth)
-    qnorm = (o.keys.astype(np.float64) ** 2).sum(axis=1)
-    lam, temps = served.mix_of(
-        o.top_logprob,
-        o.entropy,
-        lexical.features(o.prev_tokens),
-        dist,
-        vals,
-        qnorm,
-        o.positions,
-    )
-    dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
-    scores = token_scores(cache.encoder, o, dist, vals, served.params, lmbda=lam, temperature=temps)
-    return dist, ids, vals, scores
