@@ -145,6 +145,13 @@ def main() -> None:
     with stopwatch() as t:
         rebuild(engine, settings)
     print(f"first rebuild: {t.seconds:.0f} s, index version {engine.served_version}")
+    # whether the NN calibrator joined the evidence at this build, and why (not)
+    combined = (engine.served.record.get("evidence") or {}).get("combined") or {}
+    print(
+        f"the build's held-out tokens: {engine.served.record.get('tokens', 0)}; "
+        f"the combination with the calibrator serves: {combined.get('serve', False)} "
+        f"({combined.get('reason') or 'it wins in each view'})"
+    )
     results["after the first rebuild"] = measure(engines, data)
 
     rows = []
