@@ -106,3 +106,40 @@ def test_duplicates_retire_and_a_forget_stays_gone(
     for doc in (1,):  # forgotten: absent from every answer after consolidation and build
         found = engine.predict(TEXTS[0][:60], top_n=5, neighbours=8)
         assert doc not in {n.doc_id for n in found.neighbours}
+
+
+def test_a_document_retried_after_a_failed_append_counts_its_usage_once(
+    tmp_path: Path,
+    tiny: Any,  # noqa: F811
+    memory_url: str | None,  # noqa: F811
+    opened: list[Engine],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The usage of a document's search is counted with its lexical statistics, once: a
+    put that fails (a full disk) and the worker's retry together count the document's one
+    search once (the oracle: that search, counted alone); preparing counts nothing."""
+    from memlm.memory.usage import Usage
+
+    engine = _open(tmp_path / "data", tiny, memory_url)
+    opened.append(engine)
+    engine.process_document(1, TEXTS[0], DAY)
+    once = Usage(engine.usage.block)
+    prep = engine.prepare_document(2, TEXTS[1], DAY)  # preparing counts nothing
+    assert prep.usage is not None
+    once.add(*prep.usage)
+    assert once.totals()["retrievals"] > 0
+    before = engine.usage.totals()
+
+    real_put = engine.memory.put_document
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine.memory, "put_document", full_disk)
+    with pytest.raises(OSError):
+        engine.process_document(2, TEXTS[1], DAY)
+    monkeypatch.setattr(engine.memory, "put_document", real_put)
+    engine.process_document(2, TEXTS[1], DAY)  # the retry: stored now
+    after = engine.usage.totals()
+    for key in ("retrievals", "hits"):
+        assert after[key] - before[key] == once.totals()[key], key

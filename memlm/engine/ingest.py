@@ -76,11 +76,12 @@ class IngestMixin(EngineCore):
         served = self.served  # MoNIM asks the model served now (read once)
         token_ids, out = self._encoded(text, pol.needs_key_ce)
         search: tuple[np.ndarray, np.ndarray] | None = None
+        usage = None
         if pol.needs_augmented:
             scores, _, _, (dist, ids, vals) = self._scores(out, served)
             search = (dist, vals)
-            # usage: the search MoNIM needs anyway, counted per block of entries
-            self.usage.add(ids, vals, out.targets)
+            # usage: the search MoNIM needs anyway, counted when the document is stored
+            usage = (ids, vals, out.targets)
         else:
             nan = np.full(len(out), np.nan)
             scores = TokenScores(nan, nan, out.key_ce)
@@ -91,7 +92,9 @@ class IngestMixin(EngineCore):
         ok = len(spans) == len(token_ids)
         if not ok:  # offsets of another tokenisation would mark the wrong characters
             log.warning("document %d: %d spans for %d tokens", doc_id, len(spans), len(token_ids))
-        return PreparedDocument(doc_id, day, token_ids, out, store, spans if ok else None)
+        return PreparedDocument(
+            doc_id, day, token_ids, out, store, spans if ok else None, usage=usage
+        )
 
     def store_document(
         self, prep: PreparedDocument, *, crash_at: str | None = None
@@ -105,10 +108,13 @@ class IngestMixin(EngineCore):
         out, mask, doc_id = prep.outputs, prep.store, prep.doc_id
         n = int(mask.sum())
         with self.exclusive(), self._write_lock:
-            # Counted once, even when processed again; before the put, so that the put is
-            # the last write here: a full disk then fails the document with nothing
+            # Counted once, even when processed again (the lexical statistics and the
+            # memory's usage alike: a document retried after a failed put, or processed
+            # again after a crash, counts nothing twice); before the put, so that the put
+            # is the last write here: a full disk then fails the document with nothing
             # stored, and no rollback (itself a write) is needed.
-            self.calibration.observe(prep.token_ids, doc_id)
+            if self.calibration.observe(prep.token_ids, doc_id) and prep.usage is not None:
+                self.usage.add(*prep.usage)
             span = self.memory.put_document(
                 doc_id, out.keys[mask], out.targets[mask], out.positions[mask], prep.day
             )

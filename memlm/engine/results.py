@@ -34,6 +34,9 @@ class PreparedDocument:
     # (len(token_ids), 2) character span of every token: stored beside the document so that
     # a neighbour's snippet is a slice of its text, not a re-tokenisation (service/provenance)
     char_spans: np.ndarray | None = None
+    # the policy's search (ids, values, gold tokens) that memory usage counts once the
+    # document is stored for the first time (memlm.memory.usage); None: no search
+    usage: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
