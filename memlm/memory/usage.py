@@ -10,7 +10,9 @@ documents there) keep the state small: 3 int64 per block that was ever retrieved
 ``block=1`` counts per entry.
 
 The counts live in the memory's root (``usage.npz``), saved at every build (temp +
-``os.replace``): a crash loses the counts since the last build, never doubles them.
+``os.replace``): a crash loses the counts since the last build, never doubles them. The
+engine counts a document's search when it stores the document, once, with its lexical
+statistics (``Engine.store_document``): a retried or reprocessed document counts no more.
 """
 
 from __future__ import annotations
