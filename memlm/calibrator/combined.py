@@ -148,7 +148,8 @@ def decide(
     """Whether the combination serves: its NLL is lower than the evidence's in one view of
     the validation rows ``val`` and no higher in any (the seen view's by at most
     :data:`SEEN_TOLERANCE` and the held-out gain; a seen view with tokens is required).
-    ``temperature``: the evidence's T, ``cal_temperature``: the calibrator's.  Returns the record saved with the build's choice (``serve``, the two T and the
+    ``temperature``: the evidence's T, ``cal_temperature``: the calibrator's.  Returns the
+    record saved with the build's choice (``serve``, the two T, the tolerance and the
     per-view NLLs)."""
     if calibrator is None or not rows or not val.any():
         why = "no calibrator" if calibrator is None else "no validation tokens"
