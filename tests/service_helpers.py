@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,38 @@ def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
 
 def doc(text: str, day: str = "2017-02-07", source: str = "test", **kw: Any) -> dict[str, Any]:
     return {"text": text, "published_at": day, "source": source, **kw}
+
+
+@contextlib.contextmanager
+def predicting(
+    bases: Sequence[str], contexts: Sequence[str], clients: int = 4
+) -> Iterator[list[int]]:
+    """``clients`` threads POST /predict (a seeded random context each time; client i on
+    ``bases[i % len(bases)]``) until the block ends: yields the list their status codes
+    are appended to, complete once the block has left."""
+    import httpx
+
+    statuses: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=bases[seed % len(bases)], timeout=60) as c:
+            while not done.is_set():
+                r = c.post("/predict", json={"context": rng.choice(contexts), "top_n": 5})
+                with lock:
+                    statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield statuses
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
 
 
 @contextlib.contextmanager

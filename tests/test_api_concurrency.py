@@ -9,7 +9,6 @@ no 5xx, and every stored key equals a clean single-threaded re-encode of its doc
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 
 from memlm.cli.compose import build_app
 from memlm.engine import open_engine
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings, serve
+from tests.service_helpers import ADMIN, INGEST, doc, make_settings, predicting, serve
 from tests.texts import random_text
 
 
@@ -44,8 +43,6 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
     rng = random.Random(7)
     texts = [random_text(rng, rng.randint(150, 500)) for _ in range(100)]
     contexts = [random_text(rng, 700) for _ in range(8)]
-    statuses: list[int] = []
-    lock = threading.Lock()
     with serve(app) as base:
         with httpx.Client(base_url=base, timeout=60) as c:
             ids = []
@@ -61,20 +58,7 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
                 )
                 assert r.status_code == 202, r.text
                 ids += [d["id"] for d in r.json()["documents"]]
-        done = threading.Event()
-
-        def client(seed: int) -> None:
-            r_ = random.Random(seed)
-            with httpx.Client(base_url=base, timeout=60) as c:
-                while not done.is_set():
-                    r = c.post("/predict", json={"context": r_.choice(contexts), "top_n": 5})
-                    with lock:
-                        statuses.append(r.status_code)
-
-        clients = [threading.Thread(target=client, args=(s,)) for s in range(4)]
-        for t in clients:
-            t.start()
-        try:
+        with predicting([base], contexts) as statuses:
             deadline = time.monotonic() + 300
             with httpx.Client(base_url=base, timeout=60) as c:
                 while time.monotonic() < deadline:
@@ -83,10 +67,6 @@ def test_predicts_during_in_process_ingest_never_fail_nor_corrupt_keys(
                         break
                     time.sleep(0.2)
                 rows = [c.get(f"/documents/{i}", headers=ADMIN).json() for i in ids]
-        finally:
-            done.set()
-            for t in clients:
-                t.join(timeout=60)
     failed_5xx = [s for s in statuses if s >= 500]
     print(f"predicts: {len(statuses)}, 5xx: {len(failed_5xx)}")  # the note's before/after
     assert [r["status"] for r in rows] == ["done"] * 100

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import random
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 from memlm.memory import open_milvus
 from tests.processes import TEST_TOKENS, free_port, memlm_env, start_memlm, stop
-from tests.service_helpers import ADMIN, INGEST, doc, make_settings
+from tests.service_helpers import ADMIN, INGEST, doc, make_settings, predicting
 from tests.texts import random_text
 
 pytestmark = [pytest.mark.postgres, pytest.mark.milvus]
@@ -80,9 +79,6 @@ def test_two_api_processes_share_postgres_and_milvus(
     texts = [random_text(rng, rng.randint(80, 240)) for _ in range(16)]
     contexts = [random_text(rng, 300) for _ in range(6)]
     envs = [api_env(tmp_path / d, pg_url, milvus_url) for d in ("a", "b")]
-    statuses: list[int] = []
-    lock = threading.Lock()
-    done = threading.Event()
     with api_processes(envs, tmp_path) as bases:
         ids: list[int] = []
         with httpx.Client(timeout=60) as c:
@@ -99,18 +95,7 @@ def test_two_api_processes_share_postgres_and_milvus(
                 ids += [d["id"] for d in r.json()["documents"]]
         by_id = dict(zip(ids, texts[0::2] + texts[1::2], strict=True))
 
-        def client(seed: int) -> None:
-            r_ = random.Random(seed)
-            with httpx.Client(base_url=bases[seed % 2], timeout=60) as c:
-                while not done.is_set():
-                    r = c.post("/predict", json={"context": r_.choice(contexts), "top_n": 5})
-                    with lock:
-                        statuses.append(r.status_code)
-
-        clients = [threading.Thread(target=client, args=(s,)) for s in range(4)]
-        for t in clients:
-            t.start()
-        try:
+        with predicting(bases, contexts) as statuses:
             deadline = time.monotonic() + 120
             with httpx.Client(timeout=60) as c:
                 while time.monotonic() < deadline:
@@ -122,10 +107,6 @@ def test_two_api_processes_share_postgres_and_milvus(
                     time.sleep(0.3)
                 # the last documents' entries are searched through both APIs meanwhile
                 time.sleep(1.0)
-        finally:
-            done.set()
-            for t in clients:
-                t.join(timeout=60)
         with httpx.Client(timeout=60) as c:
             stats = [c.get(f"{b}/admin/stats", headers=ADMIN).json() for b in bases]
     # 429: the admission control's answer (a full queue, or the first requests being
