@@ -106,12 +106,15 @@ class ServedInterpolation:
         values: np.ndarray,
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
+        stats: LexicalStats | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(m,) lambda and (m,) kNN temperature of each token before the gate
-        (:meth:`mix_of`), the lexical features read from the served statistics."""
+        (:meth:`mix_of`), the lexical features read from ``stats`` (None: the served
+        statistics)."""
+        stats = self.lexical if stats is None else stats
         lex = None
-        if self.uses_calibrator and self.lexical is not None:
-            lex = self.lexical.features(prev_tokens)
+        if self.uses_calibrator and stats is not None:
+            lex = stats.features(prev_tokens)
         return self.mix_of(top_logprob, entropy, lex, distances, values, qnorm, context)
 
     def token_lambdas(
@@ -192,10 +195,12 @@ class ServedInterpolation:
         values: np.ndarray,
         qnorm: np.ndarray,
         context: np.ndarray | None = None,
+        stats: LexicalStats | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(m,) lambda (0 where the gate skips the search) and (m,) T of each token."""
+        """(m,) lambda (0 where the gate skips the search) and (m,) T of each token;
+        ``stats``: the lexical statistics the calibrator reads (None: the served ones)."""
         lam, temps = self.token_mix(
-            top_logprob, entropy, prev_tokens, distances, values, qnorm, context
+            top_logprob, entropy, prev_tokens, distances, values, qnorm, context, stats
         )
         return np.where(self.gate_mask(top_logprob, entropy, prev_tokens), lam, 0.0), temps
 
@@ -231,14 +236,9 @@ class ServedInterpolation:
         k = self.params.k
         dist, ids, vals = search(max(k, TOP_N) if self.uses_calibrator else k)
         qnorm = (out.keys.astype(np.float64) ** 2).sum(axis=1)
-        stats = self.lexical if lexical is None else lexical
-        lex = None
-        if self.uses_calibrator and stats is not None:
-            lex = stats.features(out.prev_tokens)
-        lam, temps = self.mix_of(
-            out.top_logprob, out.entropy, lex, dist, vals, qnorm, out.positions
+        lam, temps = self.mix(
+            out.top_logprob, out.entropy, out.prev_tokens, dist, vals, qnorm, out.positions, lexical
         )
-        lam = np.where(self.gate_mask(out.top_logprob, out.entropy, out.prev_tokens), lam, 0.0)
         dist, ids, vals = dist[:, :k], ids[:, :k], vals[:, :k]
         scores = token_scores(encoder, out, dist, vals, self.params, lmbda=lam, temperature=temps)
         return scores, lam, temps, (dist, ids, vals)
