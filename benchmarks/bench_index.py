@@ -80,11 +80,15 @@ def npz_keys(
     return store, np.concatenate(queries)[:n_queries]
 
 
-def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
+def encode_news(
+    folder: Path, n_tokens: int, threads: int | None, shard: tuple[int, int] = (0, 1)
+) -> None:
     """Write SmolLM2-135M keys of the bundled news, in date order, one float16 ``.npz``
     per article, until ``n_tokens`` keys exist (files already there are reused).
 
     Windows of 512 tokens overlapping by one (stride 511) so each token costs about one forward.
+    ``shard`` (i, n): this process encodes articles i, i + n, ... (and stops at about
+    ``n_tokens / n`` of its own), so n processes fill one folder side by side.
     """
     from memlm.corpus import load_news
     from memlm.encoder import Encoder, WindowConfig
@@ -94,7 +98,10 @@ def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
     window = WindowConfig(context=512, stride=511)
     have = 0
     t0 = time.perf_counter()
+    part, parts = shard
     for i, doc in enumerate(load_news()):
+        if i % parts != part:
+            continue
         f = folder / f"{i:05d}.npz"
         if not f.exists():
             enc = enc or Encoder.load(threads=threads)
@@ -103,9 +110,9 @@ def encode_news(folder: Path, n_tokens: int, threads: int | None) -> None:
             os.replace(folder / f"{i:05d}.tmp.npz", f)
         with np.load(f) as z:
             have += len(z["keys"])
-        if have >= n_tokens:
+        if have * parts >= n_tokens:
             break
-    print(f"# {have} news keys in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"# {have} news keys (shard {part}/{parts}) in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, object]:
@@ -429,6 +436,11 @@ def main() -> None:
         help="first write this many real SmolLM2 keys of the news into --keys-npz",
     )
     ap.add_argument(
+        "--encode-shard",
+        default="0/1",
+        help="i/n: encode every n-th article from the i-th (n processes side by side)",
+    )
+    ap.add_argument(
         "--incremental",
         type=int,
         default=0,
@@ -495,7 +507,10 @@ def main() -> None:
     if args.encode_news:
         if args.keys_npz is None:
             raise SystemExit("--encode-news needs --keys-npz DIR to write to")
-        encode_news(args.keys_npz, args.encode_news, threads)
+        part, parts = (int(x) for x in args.encode_shard.split("/"))
+        encode_news(args.keys_npz, args.encode_news, threads, (part, parts))
+        if not args.sizes:  # only the keys
+            return
     print(
         f"# keys={args.keys_npz or 'synthetic clustered'} dim={args.dim} k={args.k} queries={args.queries} single={args.single} "
         f"clusters={args.clusters} threads={threads or faiss.omp_get_max_threads()} "

@@ -117,6 +117,8 @@ def test_build_switches_flat_to_ivfpq_and_keeps_the_entries(milvus_url: str) -> 
         assert info["index_recreated"] is True and info["entries"] == 3000
         assert mem.stats()["index"] == {
             "kind": "ivfpq",
+            "type": "IVF_PQ",
+            "choice": "auto",
             "nlist": 16,
             "m": 4,
             "nbits": 8,
@@ -364,4 +366,52 @@ def test_sealing_every_n_rows_keeps_entries_searchable_and_forgettable(milvus_ur
         assert mem.count() == 600
     finally:
         mem.drop()
+        mem.close()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        IndexParams(kind="hnsw", nlist=1, m=1, nprobe=1, train_size=0, hnsw_m=8, ef=32),
+        IndexParams(kind="ivfflat", nlist=16, m=1, nprobe=16, train_size=16),
+        IndexParams(kind="ivfsq8", nlist=16, m=1, nprobe=16, train_size=16),
+    ],
+    ids=lambda p: p.kind,
+)
+def test_each_milvus_index_kind_builds_and_searches(
+    milvus_url: str, tmp_path: Path, params: IndexParams
+) -> None:
+    """HNSW, IVF_FLAT and IVF_SQ8 (memlm.memory.milvus_index): the build re-creates the
+    index beside the FLAT one, another handle serves the same kind after it, and the
+    search finds the exact neighbours (all lists probed; HNSW's graph at ef 32 >= k):
+    with exact distances where the kind searches the float32 keys, and an exact re-rank
+    of the SQ8 candidates when a depth is asked."""
+    rng = np.random.default_rng(11)
+    mem = open_milvus(milvus_url, DIM, root=tmp_path / "index")
+    reader = open_milvus(milvus_url, DIM)
+    try:
+        keys, vals, _, pos, _ = _entries(rng, 3, 3000)
+        mem.put_document(3, keys, vals, pos, 7)
+        info = mem.build(params)
+        assert info.details["index_recreated"] is True
+        assert info.params.kind == params.kind
+        reader.refresh()
+        assert reader.params.kind == params.kind
+        assert reader.stats()["index"]["type"] == {
+            "hnsw": "HNSW",
+            "ivfflat": "IVF_FLAT",
+            "ivfsq8": "IVF_SQ8",
+        }[params.kind]
+        q = rng.standard_normal((20, DIM)).astype(np.float32)
+        bd, bi = _brute(keys, q, 10)
+        want = entry_ids(np.full(3000, 3), pos)[bi]
+        dist, ids, _ = reader.search(q, 10)
+        if params.kind == "ivfsq8":  # 8-bit codes: the order may differ near ties
+            assert (ids == want).mean() >= 0.9
+            dist, ids, _ = reader.search(q, 10, depth=40)  # re-ranked from the stored keys
+        assert (ids == want).mean() >= 0.95
+        hit = ids == want
+        np.testing.assert_allclose(dist[hit], bd[hit], rtol=1e-4, atol=1e-4)
+    finally:
+        reader.close()
         mem.close()

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from memlm.datastore import Datastore, SimulatedCrash
 from memlm.index.params import (
+    FAISS_KINDS,
     INDEX_FILE,
     RETRAIN_GROWTH,
     BuildInfo,
@@ -272,6 +273,10 @@ def _full(
     dim = ds.dim
     if params is None:
         params = IndexParams.for_size(len(live), dim)
+    if params.kind not in FAISS_KINDS:
+        raise ValueError(
+            f"the faiss memory builds {FAISS_KINDS} indexes, not {params.kind!r} (a Milvus one)"
+        )
     if params.kind == "ivfpq" and len(live) < max(params.nlist, 2**params.nbits):
         raise ValueError(
             f"IVF-PQ with nlist={params.nlist} needs >= {max(params.nlist, 2**params.nbits)} "

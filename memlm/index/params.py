@@ -32,6 +32,10 @@ MAX_TRAIN_PER_LIST = 256
 RETRAIN_GROWTH = 4.0
 
 
+KINDS = ("flat", "ivfpq", "ivfflat", "ivfsq8", "hnsw")
+FAISS_KINDS = ("flat", "ivfpq")  # what memlm.index builds; the rest are Milvus's
+
+
 class IndexFormatError(RuntimeError):
     """An index directory is missing, malformed, or does not match the datastore."""
 
@@ -41,7 +45,11 @@ class IndexParams:
     """How to build (and search) one index version. See :meth:`for_size`."""
 
     # "flat" is exact and needs no training; "ivfpq" compresses keys to m-byte codes.
-    kind: Literal["flat", "ivfpq"] = "ivfpq"
+    # The Milvus memory also builds "ivfflat" (inverted lists of the float32 keys: exact
+    # distances), "ivfsq8" (one byte per dimension) and "hnsw" (a graph over the float32
+    # keys); the faiss memory builds "flat" and "ivfpq" only (docs/memory.md, "Which
+    # index on Milvus").
+    kind: Literal["flat", "ivfpq", "ivfflat", "ivfsq8", "hnsw"] = "ivfpq"
     # ~4*sqrt(N) inverted lists (4096 near 1M, as in MoNIM A.2): ~250 keys per list.
     nlist: int = 4096
     # bytes per PQ code (= sub-quantizers); must divide dim. 48 at 1M: 56 B per entry
@@ -61,11 +69,25 @@ class IndexParams:
     rerank_min: int = 1024
     # seed of the training sample and of k-means, so a rebuild is reproducible.
     seed: int = 0
+    # HNSW (Milvus): edges per node, the build's candidate list, the search's (at least k)
+    hnsw_m: int = 16
+    ef_construction: int = 128
+    ef: int = 128
 
     def __post_init__(self) -> None:
-        if self.kind not in ("flat", "ivfpq"):
-            raise ValueError(f"kind must be 'flat' or 'ivfpq', got {self.kind!r}")
-        for name in ("nlist", "m", "nbits", "nprobe", "rerank_factor", "rerank_min"):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in (
+            "nlist",
+            "m",
+            "nbits",
+            "nprobe",
+            "rerank_factor",
+            "rerank_min",
+            "hnsw_m",
+            "ef_construction",
+            "ef",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kind == "ivfpq" and self.train_size < max(self.nlist, 2**self.nbits):
@@ -105,6 +127,13 @@ class IndexParams:
     def train_sample(self) -> int:
         """Keys the training actually samples: ``train_size``, at most 256 per list."""
         return min(self.train_size, MAX_TRAIN_PER_LIST * self.nlist)
+
+    @property
+    def exact_distances(self) -> bool:
+        """Whether the index returns exact squared L2 distances of the stored keys (no
+        re-rank can improve its order): flat, and Milvus's IVF_FLAT and HNSW over float32
+        keys; IVF-PQ and SQ8 distances are those of compressed codes."""
+        return self.kind in ("flat", "ivfflat", "hnsw")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

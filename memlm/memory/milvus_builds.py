@@ -16,7 +16,7 @@ from typing import Any
 
 from memlm.datastore import SimulatedCrash
 from memlm.index import IndexParams
-from memlm.memory.milvus_client import MilvusException, entry_ids, mapped, milvus_index, utility
+from memlm.memory.milvus_client import MilvusException, entry_ids, mapped, utility
 from memlm.memory.milvus_collection import MilvusCollection
 from memlm.memory.milvus_generations import (
     drop_extra,
@@ -25,6 +25,7 @@ from memlm.memory.milvus_generations import (
     generations,
     switch,
 )
+from memlm.memory.milvus_index import milvus_index
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class MilvusIndexed(MilvusCollection):
             n = self.count()
             want = params or self.params_for(n)
             other = milvus_index(want) != milvus_index(self.params)
-            recreated = other or (retrain and want.kind == "ivfpq")
+            # (a retrain re-creates what k-means trained: IVF lists, PQ codebooks)
+            recreated = other or (retrain and want.kind.startswith("ivf"))
             steps: dict[str, Any] = {}
             if recreated:
                 # the new generation is compacted by construction: only live rows are

@@ -1,6 +1,6 @@
 """What every Milvus call of the memory shares: the pymilvus imports, the mapping of a
 server that went away to ``MemoryUnavailable``, the deterministic entry ids, the
-collection's schema and the Milvus index of ``IndexParams``."""
+collection's schema (the index: :mod:`memlm.memory.milvus_index`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from memlm.index import IndexParams
+from memlm.memory.milvus_index import from_index, milvus_index
 from memlm.memory.url import MilvusURL
 from memlm.unavailable import MemoryUnavailable
 
@@ -113,17 +114,6 @@ def entry_ids(documents: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray
     return (docs << POSITION_BITS) | pos
 
 
-def milvus_index(params: IndexParams) -> dict[str, Any]:
-    """The Milvus index of ``params`` (FLAT or IVF_PQ, squared L2 as faiss)."""
-    if params.kind == "flat":
-        return {"index_type": "FLAT", "metric_type": "L2", "params": {}}
-    return {
-        "index_type": "IVF_PQ",
-        "metric_type": "L2",
-        "params": {"nlist": params.nlist, "m": params.m, "nbits": params.nbits},
-    }
-
-
 def new_schema(dim: int) -> CollectionSchema:
     """The collection of one memory: ``id`` (the primary key, ``entry_ids``), the next
     token, the provenance and the key (FLOAT_VECTOR: Milvus 2.3 has no float16 vectors)."""
@@ -139,14 +129,9 @@ def new_schema(dim: int) -> CollectionSchema:
 
 
 def served_params(collection: Collection, timeout: int) -> IndexParams:
-    """The collection's index as ``IndexParams`` (nprobe as ``IndexParams.for_size``
-    chooses it)."""
+    """The collection's index as ``IndexParams`` (its search parameters as
+    :mod:`memlm.memory.milvus_index` chooses them)."""
     if not collection.has_index(timeout=timeout):
         return IndexParams.exact()
     p = collection.index().params
-    if p.get("index_type") != "IVF_PQ":
-        return IndexParams.exact()
-    raw = p.get("params", {})
-    nlist, m, nbits = int(raw["nlist"]), int(raw["m"]), int(raw.get("nbits", 8))
-    nprobe = min(64, max(16, nlist // 128))  # IndexParams.for_size's rule
-    return IndexParams(kind="ivfpq", nlist=nlist, m=m, nbits=nbits, nprobe=nprobe)
+    return from_index(p.get("index_type"), p.get("params", {}))

@@ -17,10 +17,11 @@ Collection ``<name>``: ``id`` (INT64 primary key), ``value`` (next token), ``doc
   next generation beside the served one, loads it, switches the alias and drops the old
   one, so searches never meet a released collection. Writes reach every generation.
 - Sealed segments are indexed separately by Milvus: FLAT below ``FLAT_THRESHOLD`` live
-  entries, else IVF_PQ with ``IndexParams.for_size`` of the rows of one segment (the
-  lists must be filled from one segment's rows) and the same nprobe as the faiss memory.
-- The exact re-rank of the faiss memory is skipped by default (``rerank=False``): the
-  distances of IVF_PQ hits are PQ approximations; ``rerank=True`` fetches
+  entries, else the index the URL's ``index`` option names (``auto``: the measured
+  default, :mod:`memlm.memory.milvus_index`), IVF lists sized to one segment's rows.
+- HNSW and IVF_FLAT search the stored float32 keys: their distances are exact. The exact
+  re-rank of the faiss memory is skipped by default (``rerank=False``) for the compressed
+  kinds too (IVF_SQ8, IVF_PQ: approximate distances); ``rerank=True`` fetches
   ``rerank_factor * k`` candidates with their stored keys and orders them exactly
   (recall and cost of both: benchmarks/bench_memory_backends.py).
 - How one physical collection is searched and read lives in
@@ -44,7 +45,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from memlm.index import FLAT_THRESHOLD, IndexParams
+from memlm.index import IndexParams
 from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
@@ -54,7 +55,6 @@ from memlm.memory.milvus_client import (
     connections,
     entry_ids,
     mapped,
-    milvus_index,
     new_schema,
     served_params,
     server_away,
@@ -67,6 +67,7 @@ from memlm.memory.milvus_generations import (
     resolve,
     switch,
 )
+from memlm.memory.milvus_index import milvus_index, params_for, search_param
 from memlm.memory.milvus_reads import (
     MAX_TOPK,
     SEARCH_BATCH,
@@ -234,10 +235,9 @@ class MilvusCollection:
         return SEGMENT_BYTES // (4 * self.dim + 24)
 
     def params_for(self, n: int) -> IndexParams:
-        """FLAT below the faiss memory's threshold, else IVF_PQ sized to one segment."""
-        if n < FLAT_THRESHOLD:
-            return IndexParams.exact()
-        return IndexParams.for_size(max(FLAT_THRESHOLD, min(n, self.segment_rows())), self.dim)
+        """FLAT below the faiss memory's threshold, else the URL's index (``auto``: the
+        measured default), its IVF lists sized to one segment."""
+        return params_for(n, self.dim, self.segment_rows(), self.url.index)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -443,10 +443,12 @@ class MilvusCollection:
         if nq == 0:
             return out
         p = self.params
-        rerank = bool((self.url.rerank or depth is not None) and p.kind == "ivfpq")
+        # only compressed codes' distances are approximate: IVF_FLAT and HNSW search the
+        # float32 keys themselves, so a re-rank would reorder nothing
+        rerank = bool((self.url.rerank or depth is not None) and not p.exact_distances)
         wanted = (k * p.rerank_factor if depth is None else max(k, depth)) if rerank else k
         fetch = min(MAX_TOPK, wanted)
-        param = {"metric_type": "L2", "params": {"nprobe": p.nprobe} if p.kind == "ivfpq" else {}}
+        param = search_param(p, fetch)
         for a in range(0, nq, SEARCH_BATCH):
             part = self._read(
                 lambda coll: search_in(
@@ -501,8 +503,13 @@ class MilvusCollection:
             "consistency": self.url.consistency,
             "rerank": self.url.rerank,
             "collection": self.collection.name,
-            "index": {"kind": self.params.kind, **milvus_index(self.params)["params"]}
-            | ({"nprobe": self.params.nprobe} if self.params.kind == "ivfpq" else {}),
+            "index": {
+                "kind": self.params.kind,
+                "type": milvus_index(self.params)["index_type"],
+                "choice": self.url.index,
+                **milvus_index(self.params)["params"],
+                **search_param(self.params, 0)["params"],
+            },
         }
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """``MEMLM_MEMORY_URL``: which memory backend serves (the contract other tools set).
 
 Unset, empty or ``faiss``: the embedded files in the data directory.
-``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000]``: a Milvus
-server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
+``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000&index=auto]``:
+a Milvus server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ DEFAULT_PORT = 19530
 # Milvus collection names: a letter or underscore, then letters, digits, underscores.
 _COLLECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
 CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
+# the URL's ``index`` option (memlm.memory.milvus_index.URL_CHOICES names the same)
+INDEX_CHOICES = ("auto", "flat", "ivf_flat", "ivf_sq8", "ivf_pq", "hnsw")
 DEFAULT_SEAL = 20_000  # ~46 MB of float32 keys at d=576 (benchmarks/bench_ingest_growth.py)
 
 
@@ -32,6 +34,9 @@ class MilvusURL:
     # only by size or age): growing segments are searched by brute force, row by row,
     # sealed ones are indexed. See MilvusCollection and docs/memory.md (item 4).
     seal: int = DEFAULT_SEAL
+    # the index above 50k entries: auto (the measured default), flat, ivf_flat, ivf_sq8,
+    # ivf_pq or hnsw (memlm.memory.milvus_index; docs/memory.md, "Which index on Milvus")
+    index: str = "auto"
 
     def __str__(self) -> str:
         return f"milvus://{self.host}:{self.port}/{self.collection}"
@@ -62,7 +67,7 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
             "(letters, digits and underscores, not starting with a digit)"
         )
     opts = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
-    unknown = set(opts) - {"consistency", "rerank", "timeout", "seal"}
+    unknown = set(opts) - {"consistency", "rerank", "timeout", "seal", "index"}
     if unknown:
         raise ValueError(f"memory URL {url!r}: unknown options {sorted(unknown)}")
     consistency = opts.get("consistency", "Session")
@@ -83,4 +88,9 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
         raise ValueError("memory URL: seal must be a number of rows") from exc
     if seal < 0:
         raise ValueError("memory URL: seal must be >= 0")
-    return MilvusURL(parts.hostname, port, collection, consistency, rerank == "1", timeout, seal)
+    index = opts.get("index", "auto")
+    if index not in INDEX_CHOICES:
+        raise ValueError(f"memory URL: index must be one of {INDEX_CHOICES}, got {index!r}")
+    return MilvusURL(
+        parts.hostname, port, collection, consistency, rerank == "1", timeout, seal, index
+    )
