@@ -11,7 +11,7 @@ worker's rate, not the worker's rate: the forward adds its own, constant, cost p
 
 Each memory first holds ``--base`` entries indexed by one build with IVF_PQ (``--nlist``
 lists; faiss: its IVF-PQ index; Milvus: the collection's index, which Milvus then also
-builds on every segment sealed later). At each size N of entries appended since that
+builds on every segment sealed later; ``--milvus-index hnsw`` etc.: that kind instead). At each size N of entries appended since that
 build the table shows the median search time per token, the Milvus server's CPU time per
 token (``--milvus-pid``: /proc accounting of the server process, less sensitive than wall
 time to the other jobs on a shared machine; the server is shared too, so it is an upper
@@ -39,8 +39,9 @@ import numpy.typing as npt
 from _common import load_average, markdown_table
 from bench_memory_backends import real_keys, stretch
 
-from memlm.index import IndexParams
+from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory import open_faiss, open_milvus
+from memlm.memory.milvus_index import params_for
 
 FILL_DOC = 2000  # entries per untimed fill document
 
@@ -104,6 +105,10 @@ def run(
         params = IndexParams(
             kind="ivfpq", nlist=args.nlist, m=args.m, nprobe=16, train_size=args.base
         )
+        if name != "faiss" and args.milvus_index != "ivf_pq":  # faiss builds IVF-PQ only
+            params = params_for(
+                FLAT_THRESHOLD, pool.shape[1], mem.segment_rows(), args.milvus_index
+            )
         mem.build_index(params)
         took = time.perf_counter() - t0
         print(f"# {name}: {args.base:,} entries built ({params}) in {took:.1f} s", flush=True)
@@ -145,6 +150,12 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=20000, help="entries of the last build")
     ap.add_argument("--nlist", type=int, default=256, help="IVF lists of that build")
     ap.add_argument("--m", type=int, default=48, help="PQ sub-quantizers of that build")
+    ap.add_argument(
+        "--milvus-index",
+        default="ivf_pq",
+        help="Milvus's index of that build: ivf_pq (--nlist, --m, as faiss) or another kind "
+        "of the memory URL's index option (hnsw, ivf_flat, ivf_sq8: sized as the memory does)",
+    )
     ap.add_argument("--milvus-pid", type=int, default=None, help="the server's pid (CPU time)")
     ap.add_argument("--doc-tokens", type=int, default=512, help="tokens searched per document")
     ap.add_argument("--stored", type=int, default=256, help="entries MoNIM keeps per document")
