@@ -87,6 +87,10 @@ log = logging.getLogger(__name__)
 
 # Rows per insert call: ~19 MB of float32 keys at d=576, under gRPC's 64 MB message limit.
 INSERT_BATCH = 8192
+# Bytes of one search answer at most (gRPC's limit is 64 MB), and of one hit without its
+# key (id, distance, value, framing).
+REPLY_BYTES = 32 * 1024 * 1024
+HIT_BYTES = 32
 # Rows of a sealed segment: Milvus's default segment.maxSize (512 MB) of raw float32 keys.
 SEGMENT_BYTES = 512 * 1024 * 1024
 _aliases = itertools.count()
@@ -449,11 +453,15 @@ class MilvusCollection:
         wanted = (k * p.rerank_factor if depth is None else max(k, depth)) if rerank else k
         fetch = min(MAX_TOPK, wanted)
         param = search_param(p, fetch)
-        for a in range(0, nq, SEARCH_BATCH):
+        # a re-rank brings every candidate's float32 key back: keep each answer under
+        # gRPC's message limit (1,024 candidates of d=576 are 2.4 MB a query)
+        per_query = fetch * ((4 * self.dim if rerank else 0) + HIT_BYTES)
+        batch = max(1, min(SEARCH_BATCH, REPLY_BYTES // per_query))
+        for a in range(0, nq, batch):
             part = self._read(
                 lambda coll: search_in(
                     coll,
-                    q[a : a + SEARCH_BATCH],  # noqa: B023 - called at once, in this iteration
+                    q[a : a + batch],  # noqa: B023 - called at once, in this iteration
                     k,
                     fetch=fetch,
                     param=param,
