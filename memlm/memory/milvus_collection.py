@@ -432,7 +432,7 @@ class MilvusCollection:
 
     @mapped
     def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
-        """``depth`` (this call's re-rank depth): re-rank that many IVF_PQ candidates from
+        """``depth`` (this call's re-rank depth): re-rank that many IVF_SQ8 / IVF_PQ candidates from
         their stored keys even where the URL leaves re-ranking off; None: the URL's choice,
         ``rerank_factor * k`` candidates when ``rerank=1``."""
         q = np.ascontiguousarray(queries, dtype=np.float32)

@@ -28,7 +28,7 @@ class MilvusURL:
     # Session: a worker's searches see its own inserts at once, others' within ~0.2 s
     # (the time tick); Strong would make every search wait for the next tick.
     consistency: str = "Session"
-    rerank: bool = False  # see MilvusMemory: re-rank IVF_PQ candidates from stored keys
+    rerank: bool = False  # see MilvusCollection: re-rank IVF_SQ8/IVF_PQ candidates from stored keys
     timeout: float = 60.0  # seconds per call; a server that hangs is an error, not a wait
     # Rows a handle writes before it seals the growing segments (0: never; Milvus seals
     # only by size or age): growing segments are searched by brute force, row by row,
