@@ -432,9 +432,10 @@ class MilvusCollection:
 
     @mapped
     def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
-        """``depth`` (this call's re-rank depth): re-rank that many IVF_SQ8 / IVF_PQ candidates from
-        their stored keys even where the URL leaves re-ranking off; None: the URL's choice,
-        ``rerank_factor * k`` candidates when ``rerank=1``."""
+        """``depth`` (this call's re-rank depth): re-rank that many IVF_SQ8 / IVF_PQ
+        candidates from their stored keys even where the URL leaves re-ranking off; None:
+        the URL's choice, ``rerank_factor * k`` candidates when ``rerank=1``. (IVF_FLAT,
+        HNSW and FLAT return exact distances: nothing to re-rank.)"""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"queries: expected shape (nq, {self.dim}), got {q.shape}")
