@@ -41,6 +41,7 @@ from bench_memory_backends import real_keys, stretch
 
 from memlm.index import FLAT_THRESHOLD, IndexParams
 from memlm.memory import open_faiss, open_milvus
+from memlm.memory.embedded import start_embedded
 from memlm.memory.milvus_index import params_for
 
 FILL_DOC = 2000  # entries per untimed fill document
@@ -145,7 +146,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--keys-npz", type=Path, required=True)
-    ap.add_argument("--milvus", default="127.0.0.1:19530", help="host:port of a Milvus server")
+    ap.add_argument(
+        "--milvus",
+        default="127.0.0.1:19530",
+        help="host:port of a Milvus server, or 'embedded' (started here, stopped at the end)",
+    )
     ap.add_argument("--sizes", default="10000,100000,300000")
     ap.add_argument("--base", type=int, default=20000, help="entries of the last build")
     ap.add_argument("--nlist", type=int, default=256, help="IVF lists of that build")
@@ -170,7 +175,25 @@ def main() -> None:
     pool = stretch(real, top, args.stretch_noise)
     dim = pool.shape[1]
     print(f"# {len(real):,} real keys stretched to {len(pool):,}, dim {dim}; {load_average()}")
+    server = None
+    if args.milvus == "embedded" and args.memories != "faiss":
+        server = start_embedded(Path(tempfile.mkdtemp(prefix="growth-milvus-")))
+        args.milvus = f"{server.host}:{server.port}"
+        proc = getattr(server.server, "server_proc", None)
+        args.milvus_pid = args.milvus_pid or (proc.pid if proc is not None else None)
+    try:
+        rows = measure(args, pool, q, dim)
+    finally:
+        if server is not None:
+            server.stop()
+    print_rows(rows)
+
+
+def measure(
+    args: argparse.Namespace, pool: npt.NDArray[np.float16], q: Any, dim: int
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    mem: Any
     for name in args.memories.split(","):
         if name == "faiss":
             with tempfile.TemporaryDirectory() as d:
@@ -186,6 +209,10 @@ def main() -> None:
         finally:
             mem.drop()
             mem.close()
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
     cols = list(rows[0])
     cells = [
         [
