@@ -19,6 +19,7 @@ import numpy as np
 
 from memlm.calibrator.constant import TuneGrid, ppl
 from memlm.knnlm import KnnParams, has_neighbours, interpolate, knn_logprob
+from memlm.memory import MemoryBackend
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,15 @@ class Rescore:
     texts: tuple[str, ...]  # every test document of the plan, in the plan's order
     grid: TuneGrid
 
-    def run(self, index: Any, cache: Any, path: Path, depth: int | None = None) -> None:
-        """Search the test documents against ``index`` now (``depth``: the re-rank depth);
+    def run(self, memory: MemoryBackend, cache: Any, path: Path, depth: int | None = None) -> None:
+        """Search the test documents against ``memory`` now (``depth``: the re-rank depth);
         write ``path`` (npz)."""
         ks = list(self.grid.ks)
         k_max = max(ks)
         knn_parts = [np.zeros((0, len(ks), len(self.grid.temperatures)))]
         valid_parts = [np.zeros(0, bool)]
         for o in cache.get_many(list(self.texts)):
-            dist, _, vals = index.search_values(o.keys, k_max, depth=depth)
+            dist, _, vals = memory.search(o.keys, k_max, depth=depth)
             ids = np.where(vals >= 0, 0, -1)
             gold = o.targets[:, None]
             cols = np.empty((len(o), len(ks), len(self.grid.temperatures)))

@@ -29,12 +29,14 @@ from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
 from memlm.evaluate.forgetting import Rescore
+from memlm.evaluate.memories import FAISS, RunMemory
 from memlm.evaluate.plan import DayPlan, day_number
 from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.evaluate.served import EveningBuilds, with_seen_view
-from memlm.index import IndexParams, MemoryIndex, build_index, prune
+from memlm.index import IndexParams, MemoryIndex
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import Policy, TokenScores, token_scores
+from memlm.memory import MemoryBackend
 from memlm.memory.consolidation import ConsolidationConfig, consolidate
 from memlm.memory.faiss_backend import FaissMemory
 from memlm.memory.pointers import PointerConfig, PointerSearch
@@ -71,15 +73,62 @@ def _month(d: dt.date) -> str:
     return f"{d.year:04d}-{d.month:02d}"
 
 
+@dataclass(frozen=True)
+class _Checkpointed:
+    """What the checkpoint says the memory committed (memlm.memory.base.Committed): the
+    entries before ``end`` (faiss: a datastore length), the documents up to ``doc_no``."""
+
+    end_: int
+    doc_no: int
+
+    def end(self) -> int:
+        return self.end_
+
+    def holds(self, doc_ids: Sequence[int]) -> set[int]:
+        return {int(d) for d in doc_ids if d <= self.doc_no}
+
+
+def _restore(memory: MemoryBackend, state: RunState) -> None:
+    """Serve the checkpointed index version and take out the unfinished day's entries."""
+    memory.reconcile([] if state.index_version is None else [state.index_version])
+    memory.recover(_Checkpointed(state.datastore_len, state.doc_no))
+    memory.refresh()
+
+
 def _resume(workdir: Path, cache: TokenCache, state: RunState) -> tuple[Datastore, MemoryIndex]:
-    """The datastore cut back to the checkpoint, serving the checkpointed index version."""
-    ds = Datastore.open(workdir / "datastore", dim=cache.encoder.dim)
-    if len(ds) != state.datastore_len:  # entries of the unfinished day
-        ds.truncate(state.datastore_len)
-    index = MemoryIndex(ds, workdir / "index")
-    index.serve(state.index_version)
-    index.refresh()
-    return ds, index
+    """The faiss memory of ``workdir`` as the checkpoint left it, as its datastore and
+    index (tests recompute a day's decisions from it)."""
+    memory = FaissMemory.open(workdir, cache.encoder.dim)
+    _restore(memory, state)
+    return memory.datastore, memory.index
+
+
+class _EntryLogprobs:
+    """log p_LM of each stored entry's value, by entry id (ascending, as appends give
+    them), kept beside the memory for consolidation (``lm_logprob.npy``; ``lm_ids.npy``
+    where the ids are not 0, 1, 2, ...)."""
+
+    def __init__(self, workdir: Path, end: int) -> None:
+        """The entries of the checkpoint (ids below ``end``)."""
+        self.path, self.ids_path = workdir / "lm_logprob.npy", workdir / "lm_ids.npy"
+        lp = np.load(self.path) if self.path.exists() else np.empty(0, np.float32)
+        ids = np.load(self.ids_path) if self.ids_path.exists() else np.arange(len(lp))
+        keep = ids < end
+        self.ids: list[int] = ids[keep].tolist()
+        self.lp: list[float] = lp[keep].tolist()
+
+    def extend(self, ids: np.ndarray, lp: np.ndarray) -> None:
+        self.ids.extend(ids.tolist())
+        self.lp.extend(lp.astype(np.float32).tolist())
+
+    def lookup(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The log-probs of given entry ids (each one stored); saves them first."""
+        ids = np.asarray(self.ids, np.int64)
+        lp = np.asarray(self.lp, np.float64)
+        np.save(self.path, lp.astype(np.float32))
+        if len(ids) and ids[-1] != len(ids) - 1:  # not datastore positions: keep the ids
+            np.save(self.ids_path, ids)
+        return lambda want: lp[np.searchsorted(ids, want)]
 
 
 def run_policy(
@@ -108,6 +157,7 @@ def run_policy(
     ood: Mapping[str, Sequence[Document]] | None = None,
     name: str | None = None,
     consolidation: ConsolidationConfig | None = None,
+    memory: RunMemory = FAISS,
 ) -> PolicyRun:
     """Ingest the stream with ``policy`` (None: the bare LM) and search the held-out tokens.
 
@@ -135,6 +185,9 @@ def run_policy(
     ``pointers``: the policy's and the held-out tokens' searches follow RetoMaton's
     pointers (memlm.memory.pointers) and search only where they fail; the threshold is
     learned within this call (a resumed run learns it again).
+    ``memory``: where the entries live (memlm.evaluate.memories: the faiss files in
+    ``workdir`` by default, or a Milvus collection); the run reaches it only through
+    memlm.memory.MemoryBackend.
     """
     name = name or (policy.name if policy is not None else "bare")
     state = checkpoint.load(workdir) if resume else None
@@ -159,11 +212,80 @@ def run_policy(
             state.stored,
             ood=_load_ood(workdir, ood),
         )
-    ds, index = _resume(workdir, cache, state)
+    mem = memory.open(workdir, cache.encoder.dim, fresh=not state.days)
+    try:
+        return _run_days(
+            policy,
+            plans,
+            cache,
+            workdir,
+            name,
+            state,
+            dev,
+            test,
+            mem,
+            memory,
+            ingest_params=ingest_params,
+            ingest_evidence=ingest_evidence,
+            ingest_served=ingest_served,
+            calibrator_min_tokens=calibrator_min_tokens,
+            k_max=k_max,
+            index_kind=index_kind,
+            rerank_depth=rerank_depth,
+            ingest_rerank_depth=ingest_rerank_depth,
+            pointers=pointers,
+            on_day=on_day,
+            trime=trime,
+            served_grid=served_grid,
+            served_default=served_default,
+            served_min_tokens=served_min_tokens,
+            rescore=rescore,
+            crash_at=crash_at,
+            ood=ood,
+            consolidation=consolidation,
+        )
+    finally:
+        mem.close()
+
+
+def _run_days(
+    policy: Policy | None,
+    plans: Sequence[DayPlan],
+    cache: TokenCache,
+    workdir: Path,
+    name: str,
+    state: RunState,
+    dev: EvalTokens,
+    test: EvalTokens,
+    mem: MemoryBackend,
+    memory: RunMemory,
+    *,
+    ingest_params: KnnParams | None,
+    ingest_evidence: bool,
+    ingest_served: bool,
+    calibrator_min_tokens: int,
+    k_max: int,
+    index_kind: str,
+    rerank_depth: int | None,
+    ingest_rerank_depth: int | None,
+    pointers: PointerConfig | None,
+    on_day: Callable[[DayStats], None] | None,
+    trime: TrimeSpec | None,
+    served_grid: TuneGrid,
+    served_default: KnnParams,
+    served_min_tokens: int,
+    rescore: Rescore | None,
+    crash_at: int | None,
+    ood: Mapping[str, Sequence[Document]] | None,
+    consolidation: ConsolidationConfig | None,
+) -> PolicyRun:
+    """``run_policy``'s days from the checkpoint's on, with the memory ``mem`` open."""
+    if state.days:
+        _restore(mem, state)
+    end = state.datastore_len  # past the last entry id stored (faiss: the datastore length)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
     usage = Usage.load(workdir)
-    lm_path = workdir / "lm_logprob.npy"  # log p_LM of each entry's value, by entry id
-    lm_lp = list(np.load(lm_path)[: len(ds)]) if lm_path.exists() else []
+    lm_lp = _EntryLogprobs(workdir, end)
     follow: dict[tuple[str, int], PointerSearch] = {}
     evenings = None
     if ingest_served and policy is not None and policy.needs_augmented:
@@ -184,11 +306,11 @@ def run_policy(
         """(distances, ids, values) of one document's tokens: the full search, or the
         pointers."""
         if pointers is None:
-            return index.search_values(o.keys, k, depth=depth)
+            return mem.search(o.keys, k, depth=depth)
         ps = follow.get((kind, k))
         if ps is None:
             ps = follow[(kind, k)] = PointerSearch(
-                lambda q, kk: index.search_values(q, kk, depth=depth), index.successors, k, pointers
+                lambda q, kk: mem.search(q, kk, depth=depth), mem.successors, k, pointers
             )
         dist, ids, vals, _ = ps.document(o.keys, o.targets)
         return dist, ids, vals
@@ -256,40 +378,35 @@ def run_policy(
                 scores = TokenScores(nan, nan, o.key_ce)
             mask = policy.decide(scores)
             if mask.any():
-                ds.append(
+                # float16 keys on every backend (the faiss datastore's precision; Milvus
+                # holds them as float32): the backends store the same vectors
+                ids = mem.append(
                     o.keys[mask].astype(np.float16),
                     o.targets[mask].astype(np.int32),
                     np.full(int(mask.sum()), state.doc_no, np.int64),
                     o.positions[mask],
                     np.full(int(mask.sum()), dnum, np.int32),
                 )
-                lm_lp.extend(o.target_logprob[mask].astype(np.float32).tolist())
-                index.refresh()
+                end = max(end, int(ids.max()) + 1)
+                lm_lp.extend(ids, o.target_logprob[mask])
             day_stored += int(mask.sum())
         t_build, w_build = time.perf_counter(), cache.wait_seconds
-        if consolidation is not None and policy is not None and len(ds) > 0:
-            lm_all = np.asarray(lm_lp, np.float64)
-            assert len(lm_all) == len(ds), (len(lm_all), len(ds))
+        if consolidation is not None and policy is not None and end > 0:
+            assert len(lm_lp.ids) == state.stored + day_stored, (len(lm_lp.ids), state.stored)
             rep = consolidate(
-                FaissMemory(ds, index),
-                consolidation,
-                knn,
-                usage,
-                state=workdir,
-                lm_logprob=lm_all.__getitem__,
+                mem, consolidation, knn, usage, state=workdir, lm_logprob=lm_lp.lookup()
             )
             night = rep.to_json() | {"usage": usage.totals()}
             usage.save(workdir)
-            np.save(lm_path, lm_all.astype(np.float32))
-        if policy is not None and len(ds) > 0:
+        if policy is not None and end > 0:
             params = (
                 IndexParams.exact()
                 if index_kind == "flat"
-                else IndexParams.for_size(ds.num_live, ds.dim)
+                else memory.auto_params(mem.count(), mem.dim)
             )
-            build_index(ds, workdir / "index", params, progress=False)
-            index.reload()
-            prune(workdir / "index", keep=2)  # this evening's and the checkpointed one
+            mem.build(params)
+            mem.reload()
+            mem.prune(keep=2)  # this evening's and the checkpointed one
         t_search = time.perf_counter()
         day_dev, day_test = EvalTokens(), EvalTokens()
         for split, docs in (("dev", plan.dev), ("test", plan.test)):
@@ -304,7 +421,7 @@ def run_policy(
             plan.day
         )
         if rescore is not None and policy is not None and last_of_month:
-            rescore.run(index, cache, workdir / "rescore" / f"{_month(plan.day)}.npz", rerank_depth)
+            rescore.run(mem, cache, workdir / "rescore" / f"{_month(plan.day)}.npz", rerank_depth)
         if ingest_params is None and policy is not None and policy.needs_augmented:
             dev_rows = dev.arrays(k_max)  # one copy of the dev tokens so far, k_max wide
             choice = choose_constant(
@@ -333,7 +450,7 @@ def run_policy(
             plan.day.isoformat(),
             day_seen,
             day_stored,
-            ds.num_live,
+            mem.count(),
             time.perf_counter() - t0,
             asked if policy is not None and policy.needs_augmented else {},
             ingest_seconds=round(t_build - t0 - (w_build - w0), 3),
@@ -351,10 +468,10 @@ def run_policy(
         )
         day_counts = counted
         state.days.append(stats)
-        state.datastore_len, state.index_version = len(ds), index.version
+        state.datastore_len, state.index_version = end, mem.served_version
         state.finished = day_index + 1 == len(plans)
         if state.finished and ood:
-            _search_ood(ood, index, cache, lexical, dnum, k_max, workdir, rerank_depth)
+            _search_ood(ood, mem, cache, lexical, dnum, k_max, workdir, rerank_depth)
         checkpoint.save_day(workdir, day_index, day_dev, day_test, k_max)
         lexical.save(workdir / "lexical.npz")
         checkpoint.save(workdir, state)
@@ -367,7 +484,7 @@ def run_policy(
         state.days,
         dev.arrays(k_max),
         test.arrays(k_max),
-        ds.num_live,
+        mem.count(),
         state.seen,
         state.stored,
         ood=_load_ood(workdir, ood),
@@ -376,7 +493,7 @@ def run_policy(
 
 def _search_ood(
     ood: Mapping[str, Sequence[Document]],
-    index: MemoryIndex,
+    memory: MemoryBackend,
     cache: TokenCache,
     lexical: LexicalStats,
     last_day: int,
@@ -388,7 +505,7 @@ def _search_ood(
     for i, (name, docs) in enumerate(ood.items()):
         part = EvalTokens()
         for j, o in enumerate(cache.get_many([d.text for d in docs])):
-            dist, _, vals = index.search_values(o.keys, k_max, depth=rerank_depth)
+            dist, _, vals = memory.search(o.keys, k_max, depth=rerank_depth)
             part.add(o, dist, vals, last_day + 1 + i, j, lexical.features(o.prev_tokens))
         checkpoint.save_arrays(workdir / "eval" / f"ood-{name}.npz", part.arrays(k_max))
 
