@@ -12,6 +12,10 @@ import typer
 from memlm.knnlm.policy import POLICY_NAMES
 
 IndexKind = Literal["auto", "flat"]
+# --memory-url embedded: a Milvus server of the run's own, its collections named
+# memlm_eval_<policy>
+EMBEDDED = "embedded"
+EMBEDDED_PREFIX = "memlm_eval"
 
 
 class LambdaMode(StrEnum):
@@ -75,7 +79,18 @@ def eval_command(
         "its own as split.json); replaces the seeded split and the per-day limits",
     ),
     k_max: int = typer.Option(1024, help="neighbours fetched for held-out tokens (tuning grid)"),
-    index_kind: IndexKind = typer.Option("auto", help="auto (flat, then IVF-PQ past 50k) or flat"),
+    index_kind: IndexKind = typer.Option(
+        "auto",
+        help="auto (flat, then the memory's index past 50k: IVF-PQ on faiss, the URL's "
+        "index option on Milvus) or flat",
+    ),
+    memory_url: str | None = typer.Option(
+        None,
+        help="where each policy's memory lives: faiss (default: the files of its work "
+        "directory), milvus://host:port/PREFIX[?options] (a collection PREFIX_<policy> each, "
+        "dropped first and after the run unless --keep-stores; options as MEMLM_MEMORY_URL's) "
+        "or embedded (a Milvus server started under OUT/milvus for the run)",
+    ),
     rerank_depth: int | None = typer.Option(
         None,
         min=1,
@@ -251,6 +266,14 @@ def eval_command(
         raise typer.BadParameter(
             "--dev-share and --test-share must be in (0, 0.5)", param_hint="--dev-share"
         )
+    embedded = memory_url is not None and memory_url.strip() == EMBEDDED
+    if memory_url is not None and not embedded:
+        from memlm.memory import parse_memory_url
+
+        try:
+            parse_memory_url(memory_url)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--memory-url") from None
     shard = None
     if encode_shard is not None:
         i, _, n = encode_shard.partition("/")
@@ -308,6 +331,7 @@ def eval_command(
         consolidate_sample=consolidate_sample,
         budget=budget,
         budget_criterion=budget_criterion,
+        memory_url=None if embedded else memory_url,
     )
     if calibrator_min_tokens is not None:
         cfg = dataclasses.replace(cfg, calibrator_min_tokens=calibrator_min_tokens)
@@ -319,6 +343,16 @@ def eval_command(
     except EncoderError as exc:
         raise typer.BadParameter(str(exc), param_hint="--precision / --device") from exc
     typer.echo(f"encoder: {model} on {encoder.device} in {encoder.precision}")
+    server = None
+    if embedded and shard is None:  # (an encode shard writes the token cache only)
+        from memlm.memory.embedded import MilvusUnavailable, start_embedded
+
+        try:
+            server = start_embedded(out / "milvus")
+        except MilvusUnavailable as exc:
+            raise typer.BadParameter(str(exc), param_hint="--memory-url") from exc
+        cfg = dataclasses.replace(cfg, memory_url=f"{server.url}/{EMBEDDED_PREFIX}")
+        typer.echo(f"memory: embedded Milvus at {server.url} ({server.start_seconds:.0f} s)")
     try:
         report = evaluate(cfg, load_corpus(corpus), out, encoder=encoder, echo=typer.echo)
     except SplitError as exc:
@@ -327,6 +361,9 @@ def eval_command(
         raise typer.BadParameter(str(exc), param_hint="--resume / --merge") from exc
     except OodError as exc:
         raise typer.BadParameter(str(exc), param_hint="--ood-dir") from exc
+    finally:
+        if server is not None:
+            server.stop()
     if shard is not None:
         return  # the shard's summary was echoed
     from memlm.evaluate import render_markdown

@@ -87,6 +87,10 @@ class EvalConfig:
     consolidate_sample: int = 2048
     budget: int | None = None
     budget_criterion: str = "age"
+    # where each policy's memory lives: None (or "faiss") the faiss files of its work
+    # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own
+    # (memlm.evaluate.memories); the bare LM needs none
+    memory_url: str | None = None
 
     @property
     def resuming(self) -> bool:

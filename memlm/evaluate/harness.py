@@ -27,6 +27,7 @@ from memlm.evaluate.dedup import dedup_stream, screen_held_out
 from memlm.evaluate.extras import add_forgetting, name_tokens, ood_table, timing
 from memlm.evaluate.finetune import FinetuneConfig, continual_finetune
 from memlm.evaluate.forgetting import Rescore
+from memlm.evaluate.memories import FAISS, identity_of, run_memory
 from memlm.evaluate.ood import load_ood
 from memlm.evaluate.paired import write_test_documents
 from memlm.evaluate.plan import DayPlan, plan_from_split, plan_stream, split_of
@@ -102,6 +103,7 @@ _NOT_IDENTITY = {
     "encode_shard",
     "merge_from",
     "follow_encode",
+    "memory_url",  # its host and port may change between runs: ``identity_of`` instead
 }
 # ...and those that may differ between runs merged into one report (--merge).
 _MERGEABLE = {"policies", "rand_rate"}
@@ -110,6 +112,9 @@ _MERGEABLE = {"policies", "rand_rate"}
 def _identity(cfg: EvalConfig, plans: Sequence[DayPlan]) -> dict[str, str]:
     what = {k: repr(v) for k, v in vars(cfg).items() if k not in _NOT_IDENTITY}
     what["plan"] = repr(split_of(plans))
+    memory = identity_of(cfg.memory_url)
+    if memory is not None:  # (none on the faiss files: earlier runs stay resumable)
+        what["memory"] = memory
     return what
 
 
@@ -270,6 +275,7 @@ def _evaluate(
     bar = tqdm(total=day_tokens * len(names), unit="tok", desc="policies", smoothing=0.05)
     for name in names:
         policy = _policy(name, cfg, runs)
+        memory = FAISS if policy is None else run_memory(cfg.memory_url, name)  # bare: none
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         run = run_policy(
@@ -297,6 +303,7 @@ def _evaluate(
             ood=ood,
             name=name,
             consolidation=consolidation_of(name, cfg),
+            memory=memory,
         )
         runs[name] = run
         seconds[name] = time.perf_counter() - t0
@@ -306,8 +313,7 @@ def _evaluate(
             f"{name:10s} memrate {run.memrate:6.1%} entries {run.entries:8d} ({seconds[name]:.0f} s)"
         )
         if not cfg.keep_stores:  # the checkpoint and month-end scores stay for --resume
-            for part in ("datastore", "index"):
-                shutil.rmtree(workroot / name / part, ignore_errors=True)
+            memory.discard(workroot / name)
     bar.close()
     runs = {name: runs[name] for name in ("bare", *order)}  # report order
 

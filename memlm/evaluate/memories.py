@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,3 +121,27 @@ def run_memory(url: str | None, policy: str) -> RunMemory:
     if parsed is None:
         return FAISS
     return MilvusRunMemory(replace(parsed, collection=f"{parsed.collection}_{_slug(policy)}"))
+
+
+def identity_of(url: str | None) -> str | None:
+    """What of ``url`` a resumed run must share with its checkpoints (None: the faiss
+    files): the collections and the options that change results, not the server's
+    address (an embedded server's port changes from one start to the next)."""
+    parsed = parse_memory_url(url)
+    if parsed is None:
+        return None
+    return f"milvus/{parsed.collection}?index={parsed.index}&rerank={int(parsed.rerank)}"
+
+
+def describe_memory(url: str | None, policies: Sequence[str]) -> dict[str, Any]:
+    """The report's record of where the policies' memories lived."""
+    parsed = parse_memory_url(url)
+    if parsed is None:
+        return {"backend": FAISS.backend, "url": None}
+    return {
+        "backend": MilvusRunMemory.backend,
+        "url": url,
+        "index": parsed.index,
+        "rerank": parsed.rerank,
+        "collections": {p: run_memory(url, p).describe()["url"] for p in policies},
+    }

@@ -15,6 +15,7 @@ from memlm.evaluate.bootstrap import ci
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.config import EvalConfig, fixed_grid, served_grid
 from memlm.evaluate.markdown import extra_plots, sections
+from memlm.evaluate.memories import describe_memory
 from memlm.evaluate.paired import KEY_STRIDE, PairedScores
 from memlm.evaluate.plan import EPOCH, DayPlan, day_number
 from memlm.evaluate.run import PolicyRun
@@ -140,6 +141,7 @@ def build_report(
             "rand_rate": runs["randmem"].memrate if "randmem" in runs else None,
             "seeds": {"split": cfg.seed, "randmem": cfg.seed},
             "index_kind": cfg.index_kind,
+            "memory": describe_memory(cfg.memory_url, [n for n in runs if n != "bare"]),
             # None: the index's default, max(4 k, 1024) candidates re-ranked
             "rerank_depth": {"heldout": cfg.rerank_depth, "ingest": cfg.ingest_rerank_depth},
             "pointers": None if cfg.pointers is None else asdict(cfg.pointers),
@@ -273,6 +275,16 @@ def _share(r: dict[str, Any], other: str) -> str:
     return "-" if w is None else f"{w:.0%}"
 
 
+def _memory_sentence(memory: dict[str, Any] | None) -> str:
+    """Where the memories lived, when not in the faiss files (the default says nothing)."""
+    if not memory or memory.get("backend", "faiss") == "faiss":
+        return ""
+    index = memory.get("index", "auto")
+    return (
+        f" Memory: {memory['backend']} ({memory['url']}, index {index}), one collection a policy."
+    )
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     sl = s["slice"]
@@ -288,7 +300,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             if s.get("lambda_mode") == "calibrated"
             else ""
         )
-        + ".",
+        + "."
+        + _memory_sentence(s.get("memory")),
         "",
         "| policy | test ppl (95% CI) | dev ppl | MemRate | entries | datastore MB | tokens seen "
         "| lambda | T | k | wins vs FullMem | wins vs RandMem |",

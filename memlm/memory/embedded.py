@@ -3,7 +3,10 @@
 ``milvus==2.3.5`` ships the server binary; pymilvus needs ``pkg_resources``
 (setuptools 77-80; torch 2.13 needs >= 77.0.3).
 Production runs against Milvus standalone or Distributed by URL (docs/service.md); this
-module only starts the embedded one, in its own base directory, on free ports.
+module only starts the embedded one, in its own base directory, on free ports: the
+package resolves free ports for the Milvus services, and ``_etcd_ports`` gives the
+in-process etcd two of its own (etcd's defaults, 2379 and 2380, would make a second
+server on the machine fail to start).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import socket
 import subprocess
 import time
 import warnings
@@ -69,6 +73,35 @@ class EmbeddedMilvus:
         self.server.stop()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _etcd_ports(base_dir: Path, package_dir: Path) -> Path:
+    """A config template (``base_dir/config.yaml.template``) whose embedded etcd listens
+    on free ports (its own config file, ``etcd.yaml``), instead of etcd's fixed defaults;
+    returns the template."""
+    client, peer = _free_port(), _free_port()
+    etcd = base_dir / "etcd.yaml"
+    etcd.write_text(
+        "name: memlm\n"
+        f"listen-client-urls: http://127.0.0.1:{client}\n"
+        f"advertise-client-urls: http://127.0.0.1:{client}\n"
+        f"listen-peer-urls: http://127.0.0.1:{peer}\n"
+        f"initial-advertise-peer-urls: http://127.0.0.1:{peer}\n"
+        f"initial-cluster: memlm=http://127.0.0.1:{peer}\n"
+    )
+    text = (package_dir / "data" / "config.yaml.template").read_text()
+    embed = "  use:\n    embed: true"
+    if embed not in text:
+        raise MilvusUnavailable("the milvus package's config template has no embedded etcd")
+    template = base_dir / "config.yaml.template"
+    template.write_text(text.replace(embed, f"  config:\n    path: {etcd}\n{embed}", 1))
+    return template
+
+
 def start_embedded(base_dir: Path, *, timeout: float = START_TIMEOUT_S) -> EmbeddedMilvus:
     """Start a Milvus standalone server with its data under ``base_dir``.
 
@@ -80,12 +113,16 @@ def start_embedded(base_dir: Path, *, timeout: float = START_TIMEOUT_S) -> Embed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # its pkg_resources import
             warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
-            from milvus import MilvusServer
+            import milvus
+            from milvus import MilvusServer, MilvusServerConfig
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason to report
         raise MilvusUnavailable(f"cannot import milvus: {type(exc).__name__}: {exc}") from exc
     base_dir = Path(base_dir)
     base_dir.mkdir(parents=True, exist_ok=True)
-    server = MilvusServer(wait_for_started=False)
+    package_dir = Path(milvus.__file__).parent
+    config = MilvusServerConfig(template=str(_etcd_ports(base_dir, package_dir)))
+    config.glog_conf_file = str(package_dir / "data" / "glog.conf")  # set only without one
+    server = MilvusServer(config, wait_for_started=False)
     server.set_base_dir(str(base_dir))
     t0 = time.perf_counter()
     old_cwd = os.getcwd()
