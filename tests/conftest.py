@@ -34,8 +34,8 @@ from tests.openai_fixtures import memlm_up  # noqa: E402,F401
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # a parallel run (make test: pytest -n) shares one Milvus server: a second embedded
-    # server cannot start on one machine (its etcd port is fixed)
+    # a parallel run (make test: pytest -n) shares one Milvus server: one start (15-30 s)
+    # and one server's memory instead of one per worker
     config.stash[_SHARED_MILVUS] = start_shared_server(config)
 
 

@@ -1,7 +1,9 @@
 """The real Milvus server of the tests: ``milvus==2.3.5`` from PyPI, started once per session.
 
-One embedded server per machine: its etcd peer port (2380) is fixed, so a second one
-crashes; ``MEMLM_TEST_MILVUS=host:port`` makes the tests use a running server instead.
+One server per session, shared by the workers of a parallel run (each server starts in
+15-30 s and holds ~0.5 GB; a second one on the machine runs beside the first:
+memlm.memory.embedded gives its etcd ports of its own); ``MEMLM_TEST_MILVUS=host:port``
+makes the tests use a running server instead.
 Where it cannot start, every test that asks for it is skipped with the reason (shown by
 ``-ra`` in the summary and printed to stderr), never silently.
 """

@@ -220,3 +220,51 @@ def test_ood_dir_without_the_corpora_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(OodError, match="needs a gensim wheel"):
         load_ood(tmp_path, None, 100, None)  # type: ignore[arg-type]
+
+
+def test_memory_url_reaches_the_config(captured: list[Any], tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    url = "milvus://127.0.0.1:19530/parity?index=hnsw"
+    result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), "--memory-url", url])
+    assert result.exit_code == 0, result.output
+    assert [c.memory_url for c in captured] == [None, url]
+
+
+def test_a_bad_memory_url_is_refused(captured: list[Any], tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--out", str(tmp_path), "--memory-url", "milvus://h:1/9bad"],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 2
+    assert "Milvus collection name" in result.output
+    assert captured == []
+
+
+def test_memory_url_embedded_runs_on_a_server_of_its_own(
+    captured: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--memory-url embedded: a server under OUT/milvus for the run, stopped after it."""
+    import memlm.memory.embedded
+
+    started: list[Path] = []
+    stopped: list[bool] = []
+
+    class Server:
+        url = "milvus://127.0.0.1:19777"
+        start_seconds = 1.0
+
+        def stop(self) -> None:
+            stopped.append(True)
+
+    def start(base_dir: Path, **_: Any) -> Server:
+        started.append(base_dir)
+        return Server()
+
+    monkeypatch.setattr(memlm.memory.embedded, "start_embedded", start)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["eval", "--out", str(out), "--memory-url", "embedded"])
+    assert result.exit_code == 0, result.output
+    assert started == [out / "milvus"] and stopped == [True]
+    assert captured[0].memory_url == "milvus://127.0.0.1:19777/memlm_eval"
