@@ -37,9 +37,10 @@ def test_the_embedded_etcd_listens_on_free_ports_of_its_own(tmp_path: Path) -> N
 
 @pytest.mark.milvus
 def test_a_second_server_starts_beside_the_first(
-    milvus_server: EmbeddedMilvus, tmp_path: Path
+    milvus_server: EmbeddedMilvus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    second = start_embedded(tmp_path / "second")
+    monkeypatch.chdir(tmp_path)  # a relative data directory (`memlm eval --out runs/x`)
+    second = start_embedded(Path("second"))
     try:
         assert second.port != milvus_server.port
         memory = open_milvus(f"{second.url}/beside?consistency=Strong", 4)

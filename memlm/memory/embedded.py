@@ -117,7 +117,7 @@ def start_embedded(base_dir: Path, *, timeout: float = START_TIMEOUT_S) -> Embed
             from milvus import MilvusServer, MilvusServerConfig
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason to report
         raise MilvusUnavailable(f"cannot import milvus: {type(exc).__name__}: {exc}") from exc
-    base_dir = Path(base_dir)
+    base_dir = Path(base_dir).resolve()  # the server runs elsewhere: paths must be absolute
     base_dir.mkdir(parents=True, exist_ok=True)
     package_dir = Path(milvus.__file__).parent
     config = MilvusServerConfig(template=str(_etcd_ports(base_dir, package_dir)))
