@@ -112,7 +112,10 @@ def encode_news(
             have += len(z["keys"])
         if have * parts >= n_tokens:
             break
-    print(f"# {have} news keys (shard {part}/{parts}) in {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"# {have} news keys (shard {part}/{parts}) in {folder} ({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
 
 
 def bench_one(args: argparse.Namespace, n: int, workdir: Path) -> dict[str, object]:
