@@ -305,6 +305,17 @@ def run_predict(
     return rows
 
 
+def milvus_address(given: str | None, work: Path) -> tuple[str, str, Any]:
+    """(host, port, the embedded server started here or None): ``given`` is host:port of
+    a running server; None starts the embedded one under ``work``."""
+    if given:
+        host, port = given.split(":")
+        return host, port, None
+    server = start_embedded(work / "milvus")
+    print(f"# embedded Milvus started in {server.start_seconds:.1f} s", flush=True)
+    return server.host, str(server.port), server
+
+
 def faiss_pair(folder: Path, dim: int) -> tuple[Any, Any]:
     """A shared writer (the ingest worker's) and a read-only handle (the API's)."""
     return open_faiss(folder, dim, shared=True), open_faiss(folder, None, readonly=True)
@@ -377,13 +388,7 @@ def main() -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="bench-mem-", dir=args.workdir))
     print(f"# work directory {work}", flush=True)
-    server = None
-    if args.milvus:
-        host, port = args.milvus.split(":")
-    else:
-        server = start_embedded(work / "milvus")
-        host, port = server.host, str(server.port)
-        print(f"# embedded Milvus started in {server.start_seconds:.1f} s", flush=True)
+    host, port, server = milvus_address(args.milvus, work)
     dim = real.shape[1]
     sizes = [int(s) for s in args.sizes.split(",")]
     budgets = (

@@ -38,11 +38,18 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 from _common import load_average, stopwatch
-from bench_memory_backends import exact_truth, real_keys, run_predict, search_rows, stretch, table
+from bench_memory_backends import (
+    exact_truth,
+    milvus_address,
+    real_keys,
+    run_predict,
+    search_rows,
+    stretch,
+    table,
+)
 
 from memlm.index import IndexParams
 from memlm.memory import open_milvus
-from memlm.memory.embedded import start_embedded
 from memlm.memory.milvus_index import describe, milvus_index, params_for
 
 UPSERT_ROWS = 40_000  # rows per memory call while filling (100 documents of 400)
@@ -201,13 +208,7 @@ def main() -> None:
         flush=True,
     )
     work = Path(tempfile.mkdtemp(prefix="bench-milvus-index-", dir=args.workdir))
-    server = None
-    if args.milvus:
-        host, port = args.milvus.split(":")
-    else:
-        server = start_embedded(work / "milvus")
-        host, port = server.host, str(server.port)
-        print(f"# embedded Milvus started in {server.start_seconds:.1f} s", flush=True)
+    host, port, server = milvus_address(args.milvus, work)
     rows: list[dict[str, Any]] = []
     predict: list[dict[str, Any]] = []
     try:
