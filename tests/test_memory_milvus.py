@@ -397,6 +397,13 @@ def test_each_milvus_index_kind_builds_and_searches(
         assert info.params.kind == params.kind
         reader.refresh()
         assert reader.params.kind == params.kind
+        # the URL's search parameters reach the search (stats show what it uses)
+        tuned = open_milvus(f"{milvus_url}&ef=48&nprobe=12", DIM)
+        try:
+            wanted = {"hnsw": {"ef": 48}}.get(params.kind, {"nprobe": 12})
+            assert wanted.items() <= tuned.stats()["index"].items()
+        finally:
+            tuned.close()
         assert (
             reader.stats()["index"]["type"]
             == {

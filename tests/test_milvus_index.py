@@ -100,3 +100,19 @@ def test_the_faiss_memory_refuses_a_milvus_kind(tmp_path) -> None:
         mem.build(IndexParams(kind="hnsw", nlist=1, m=1, nprobe=1, train_size=0))
     with pytest.raises(ValueError, match="kind must be one of"):
         IndexParams(kind="annoy")  # type: ignore[arg-type]
+
+
+def test_the_url_sets_the_search_parameters() -> None:
+    from memlm.memory.milvus_index import searched
+
+    url = parse_memory_url("milvus://h/c?ef=300&nprobe=8")
+    assert url is not None and (url.ef, url.nprobe) == (300, 8)
+    hnsw = params_for(10**6, DIM, SEGMENT, "hnsw")
+    assert searched(hnsw, url.ef, url.nprobe).ef == 300
+    ivf = params_for(10**6, DIM, SEGMENT, "ivf_flat")
+    assert searched(ivf, url.ef, url.nprobe).nprobe == 8
+    assert searched(IndexParams.exact(), 300, 8) == IndexParams.exact()  # nothing to set
+    assert searched(hnsw, None, None) == hnsw
+    for bad in ("ef=0", "nprobe=-1", "ef=many"):
+        with pytest.raises(ValueError, match="memory URL"):
+            parse_memory_url(f"milvus://h/c?{bad}")

@@ -67,7 +67,7 @@ from memlm.memory.milvus_generations import (
     resolve,
     switch,
 )
-from memlm.memory.milvus_index import milvus_index, params_for, search_param
+from memlm.memory.milvus_index import milvus_index, params_for, search_param, searched
 from memlm.memory.milvus_reads import (
     MAX_TOPK,
     SEARCH_BATCH,
@@ -447,7 +447,7 @@ class MilvusCollection:
         out = empty_neighbours(nq, k)
         if nq == 0:
             return out
-        p = self.params
+        p = searched(self.params, self.url.ef, self.url.nprobe)
         # only compressed codes' distances are approximate: IVF_FLAT and HNSW search the
         # float32 keys themselves, so a re-rank would reorder nothing
         rerank = bool((self.url.rerank or depth is not None) and not p.exact_distances)
@@ -517,7 +517,7 @@ class MilvusCollection:
                 "type": milvus_index(self.params)["index_type"],
                 "choice": self.url.index,
                 **milvus_index(self.params)["params"],
-                **search_param(self.params, 0)["params"],
+                **search_param(searched(self.params, self.url.ef, self.url.nprobe), 0)["params"],
             },
         }
 

@@ -107,6 +107,16 @@ def from_index(index_type: str | None, raw: dict[str, Any]) -> IndexParams:
     )
 
 
+def searched(params: IndexParams, ef: int | None, nprobe: int | None) -> IndexParams:
+    """``params`` with the URL's search parameters where it names them and they apply
+    (``ef`` to HNSW, ``nprobe`` to the IVF kinds)."""
+    if ef is not None and params.kind == "hnsw":
+        params = replace(params, ef=ef)
+    if nprobe is not None and params.kind.startswith("ivf"):
+        params = replace(params, nprobe=nprobe)
+    return params
+
+
 def search_param(params: IndexParams, fetch: int) -> dict[str, Any]:
     """The search parameters for ``fetch`` candidates a query: nprobe (IVF), ef (HNSW,
     at least ``fetch``: Milvus refuses a smaller one)."""

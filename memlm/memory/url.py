@@ -1,7 +1,7 @@
 """``MEMLM_MEMORY_URL``: which memory backend serves (the contract other tools set).
 
 Unset, empty or ``faiss``: the embedded files in the data directory.
-``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000&index=auto]``:
+``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000&index=auto&ef=128&nprobe=64]``:
 a Milvus server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
 """
 
@@ -37,6 +37,10 @@ class MilvusURL:
     # the index above 50k entries: auto (the measured default), flat, ivf_flat, ivf_sq8,
     # ivf_pq or hnsw (memlm.memory.milvus_index; docs/memory.md, "Which index on Milvus")
     index: str = "auto"
+    # search parameters over the index's own (None: memlm.memory.milvus_index's rule):
+    # HNSW's ef (at least k anyway) and the IVF kinds' lists probed per segment
+    ef: int | None = None
+    nprobe: int | None = None
 
     def __str__(self) -> str:
         return f"milvus://{self.host}:{self.port}/{self.collection}"
@@ -67,7 +71,7 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
             "(letters, digits and underscores, not starting with a digit)"
         )
     opts = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
-    unknown = set(opts) - {"consistency", "rerank", "timeout", "seal", "index"}
+    unknown = set(opts) - {"consistency", "rerank", "timeout", "seal", "index", "ef", "nprobe"}
     if unknown:
         raise ValueError(f"memory URL {url!r}: unknown options {sorted(unknown)}")
     consistency = opts.get("consistency", "Session")
@@ -91,6 +95,24 @@ def parse_memory_url(url: str | None) -> MilvusURL | None:
     index = opts.get("index", "auto")
     if index not in INDEX_CHOICES:
         raise ValueError(f"memory URL: index must be one of {INDEX_CHOICES}, got {index!r}")
+    search = {}
+    for name in ("ef", "nprobe"):
+        if name in opts:
+            try:
+                search[name] = int(opts[name])
+            except ValueError as exc:
+                raise ValueError(f"memory URL: {name} must be a whole number") from exc
+            if search[name] < 1:
+                raise ValueError(f"memory URL: {name} must be >= 1")
     return MilvusURL(
-        parts.hostname, port, collection, consistency, rerank == "1", timeout, seal, index
+        parts.hostname,
+        port,
+        collection,
+        consistency,
+        rerank == "1",
+        timeout,
+        seal,
+        index,
+        search.get("ef"),
+        search.get("nprobe"),
     )
