@@ -125,6 +125,22 @@ def docs_of(keys: npt.NDArray[np.float16]) -> Iterator[tuple[int, tuple[Any, ...
         )
 
 
+def rows_of(
+    id_of_row: npt.NDArray[np.int64],
+) -> Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]]:
+    """The store row of each entry id a search returned (-1 for padding and unknown ids),
+    given the id each row was stored under."""
+    order = np.argsort(id_of_row)
+    sorted_ids = id_of_row[order]
+
+    def to_row(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        pos = np.clip(np.searchsorted(sorted_ids, ids), 0, len(sorted_ids) - 1)
+        hit = (ids >= 0) & (sorted_ids[pos] == ids)
+        return np.where(hit, order[pos], -1)
+
+    return to_row
+
+
 def search_rows(
     mem: Any,
     q: npt.NDArray[np.float32],
@@ -212,14 +228,7 @@ def bench_backend(
     with stopwatch() as ins:
         for a, entry in docs_of(store):
             id_of_row[a : a + len(entry[0])] = writer.append(*entry)
-    order = np.argsort(id_of_row)
-    sorted_ids = id_of_row[order]
-
-    def to_row(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        pos = np.clip(np.searchsorted(sorted_ids, ids), 0, n - 1)
-        hit = (ids >= 0) & (sorted_ids[pos] == ids)
-        return np.where(hit, order[pos], -1)
-
+    to_row = rows_of(id_of_row)
     scale = float(np.abs(q).max()) * 10
     vis = visibility(writer, reader, store.shape[1], scale, args.visibility_trials)
     base = {

@@ -42,6 +42,7 @@ from bench_memory_backends import (
     exact_truth,
     milvus_address,
     real_keys,
+    rows_of,
     run_predict,
     search_rows,
     stretch,
@@ -131,13 +132,7 @@ def bench_size(
         truth = exact_truth(store, q, args.k)
     fill_s, ids = fill(mem, store)
     print(f"# N={n:,}: filled in {fill_s:.0f} s, exact truth in {tt.seconds:.0f} s", flush=True)
-    order = np.argsort(ids)
-    sorted_ids = ids[order]
-
-    def to_row(found: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        pos = np.clip(np.searchsorted(sorted_ids, found), 0, n - 1)
-        return np.where((found >= 0) & (sorted_ids[pos] == found), order[pos], -1)
-
+    to_row = rows_of(ids)
     rows: list[dict[str, Any]] = []
     predict: list[dict[str, Any]] = []
     for choice in args.kinds.split(","):

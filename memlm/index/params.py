@@ -104,9 +104,14 @@ class IndexParams:
         # PQ encoding time is linear in m. 48 (not 64) from 600k on keeps RAM <= 80 B/entry.
         target = 16 if n < 200_000 else 32 if n < 600_000 else 48
         m = max(d for d in range(1, target + 1) if dim % d == 0)
-        # nlist/128 lists per query (32 at 4096), at least 16 so small stores scan >= ~1%.
-        nprobe = min(64, max(16, nlist // 128))
+        nprobe = cls.nprobe_for(nlist)
         return cls(kind="ivfpq", nlist=nlist, m=m, nprobe=nprobe, train_size=TRAIN_PER_LIST * nlist)
+
+    @staticmethod
+    def nprobe_for(nlist: int) -> int:
+        """Lists an IVF-PQ search scans: nlist/128 (32 at 4096), at least 16 so small
+        stores scan >= ~1%, at most 64."""
+        return min(64, max(16, nlist // 128))
 
     @classmethod
     def exact(cls) -> IndexParams:

@@ -59,9 +59,9 @@ class MilvusIndexed(MilvusCollection):
     ) -> dict[str, Any]:
         """Index what the memory holds: in place (flush, so new rows are sealed and
         indexed, and compact deleted rows away) while the index stays the same; when the
-        size calls for other parameters, or ``retrain`` asks to train the IVF lists again, in the
-        next generation beside the served one (``_rebuild_beside``), which is served
-        throughout. ``crash_at``: one of ``SWAP_CRASH_POINTS`` (tests)."""
+        size or the URL calls for another index, or ``retrain`` asks to train the IVF
+        lists again, in the next generation beside the served one (``_rebuild_beside``),
+        which is served throughout. ``crash_at``: one of ``SWAP_CRASH_POINTS`` (tests)."""
         if crash_at is not None and crash_at not in SWAP_CRASH_POINTS:
             raise ValueError(f"crash_at must be one of {SWAP_CRASH_POINTS}, got {crash_at!r}")
         # Long server-side steps wait at least 10 minutes. An int: pymilvus stops waiting

@@ -238,6 +238,10 @@ class MilvusCollection:
     def segment_rows(self) -> int:
         return SEGMENT_BYTES // (4 * self.dim + 24)
 
+    def _searched(self) -> IndexParams:
+        """The served index with the URL's search parameters (``ef``, ``nprobe``)."""
+        return searched(self.params, self.url.ef, self.url.nprobe)
+
     def params_for(self, n: int) -> IndexParams:
         """FLAT below the faiss memory's threshold, else the URL's index (``auto``: the
         measured default), its IVF lists sized to one segment."""
@@ -447,7 +451,7 @@ class MilvusCollection:
         out = empty_neighbours(nq, k)
         if nq == 0:
             return out
-        p = searched(self.params, self.url.ef, self.url.nprobe)
+        p = self._searched()
         # only compressed codes' distances are approximate: IVF_FLAT and HNSW search the
         # float32 keys themselves, so a re-rank would reorder nothing
         rerank = bool((self.url.rerank or depth is not None) and not p.exact_distances)
@@ -504,6 +508,7 @@ class MilvusCollection:
 
     @mapped
     def stats(self) -> dict[str, Any]:
+        built = milvus_index(self.params)
         return {
             "backend": self.name,
             "entries": self.count(),
@@ -514,10 +519,10 @@ class MilvusCollection:
             "collection": self.collection.name,
             "index": {
                 "kind": self.params.kind,
-                "type": milvus_index(self.params)["index_type"],
+                "type": built["index_type"],
                 "choice": self.url.index,
-                **milvus_index(self.params)["params"],
-                **search_param(searched(self.params, self.url.ef, self.url.nprobe), 0)["params"],
+                **built["params"],
+                **search_param(self._searched(), 0)["params"],
             },
         }
 

@@ -27,8 +27,6 @@ MILVUS_TYPES = {
     "hnsw": "HNSW",
 }
 KIND_OF_TYPE = {v: k for k, v in MILVUS_TYPES.items()}
-# what the URL's ``index`` option accepts (``auto``: DEFAULT_KIND above the threshold)
-URL_CHOICES = INDEX_CHOICES
 # the measured choice (docs/memory.md, "Which index on Milvus"): HNSW searches the
 # float32 keys (exact distances, no re-rank round trip); at 1M real keys recall@64 0.996
 # at ef 128, batch-1 4.7 ms and batch-64 104 ms against IVF_FLAT's 0.994, 12.5 ms and
@@ -40,9 +38,10 @@ IVF_NPROBE = 64
 
 
 def kind_of(choice: str) -> str:
-    """The ``IndexParams.kind`` of a URL's ``index`` option (``auto``: the default)."""
-    if choice not in URL_CHOICES:
-        raise ValueError(f"index must be one of {URL_CHOICES}, got {choice!r}")
+    """The ``IndexParams.kind`` of a URL's ``index`` option (one of ``INDEX_CHOICES``;
+    ``auto``: ``DEFAULT_KIND``)."""
+    if choice not in INDEX_CHOICES:
+        raise ValueError(f"index must be one of {INDEX_CHOICES}, got {choice!r}")
     return DEFAULT_KIND if choice == "auto" else choice.replace("_", "")
 
 
@@ -94,9 +93,9 @@ def from_index(index_type: str | None, raw: dict[str, Any]) -> IndexParams:
             ef_construction=int(raw["efConstruction"]),
         )
     nlist = int(raw["nlist"])
-    nprobe = min(64, max(16, nlist // 128))  # IndexParams.for_size's rule
     if kind == "ivfpq":
         m, nbits = int(raw["m"]), int(raw.get("nbits", 8))
+        nprobe = IndexParams.nprobe_for(nlist)  # as the faiss memory's IVF-PQ
         return IndexParams(kind="ivfpq", nlist=nlist, m=m, nbits=nbits, nprobe=nprobe)
     return IndexParams(
         kind=kind,  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """``MEMLM_MEMORY_URL``: which memory backend serves (the contract other tools set).
 
 Unset, empty or ``faiss``: the embedded files in the data directory.
-``milvus://host[:port]/collection[?consistency=Session&rerank=1&timeout=30&seal=20000&index=auto&ef=128&nprobe=64]``:
-a Milvus server (standalone or Distributed, any node that serves the gRPC API, port 19530 by default).
+``milvus://host[:port]/collection[?options]``: a Milvus server (standalone or Distributed,
+any node that serves the gRPC API, port 19530 by default); options ``consistency=Session``,
+``rerank=1``, ``timeout=30``, ``seal=20000``, ``index=auto``, ``ef=128``, ``nprobe=64``
+(``MilvusURL`` says what each does).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ DEFAULT_PORT = 19530
 # Milvus collection names: a letter or underscore, then letters, digits, underscores.
 _COLLECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
 CONSISTENCY_LEVELS = ("Strong", "Session", "Bounded", "Eventually")
-# the URL's ``index`` option (memlm.memory.milvus_index.URL_CHOICES names the same)
+# the URL's ``index`` option (memlm.memory.milvus_index maps each to an index)
 INDEX_CHOICES = ("auto", "flat", "ivf_flat", "ivf_sq8", "ivf_pq", "hnsw")
 DEFAULT_SEAL = 20_000  # ~46 MB of float32 keys at d=576 (benchmarks/bench_ingest_growth.py)
 
@@ -28,7 +30,8 @@ class MilvusURL:
     # Session: a worker's searches see its own inserts at once, others' within ~0.2 s
     # (the time tick); Strong would make every search wait for the next tick.
     consistency: str = "Session"
-    rerank: bool = False  # see MilvusCollection: re-rank IVF_SQ8/IVF_PQ candidates from stored keys
+    # see MilvusCollection: re-rank IVF_SQ8 / IVF_PQ candidates from their stored keys
+    rerank: bool = False
     timeout: float = 60.0  # seconds per call; a server that hangs is an error, not a wait
     # Rows a handle writes before it seals the growing segments (0: never; Milvus seals
     # only by size or age): growing segments are searched by brute force, row by row,
