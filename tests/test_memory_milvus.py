@@ -421,9 +421,9 @@ def test_each_milvus_index_kind_builds_and_searches(
             dist, ids, _ = reader.search(q, 10, depth=40)  # re-ranked from the stored keys
             # a re-rank brings 40 keys a query back: answers are split to stay under gRPC's
             # message limit (here 7 queries a call), with the same neighbours
-            import memlm.memory.milvus_collection as mc
+            import memlm.memory.milvus_reads as mr
 
-            monkeypatch.setattr(mc, "REPLY_BYTES", 7 * 40 * (4 * DIM + mc.HIT_BYTES))
+            monkeypatch.setattr(mr, "REPLY_BYTES", 7 * 40 * (4 * DIM + mr.HIT_BYTES))
             split = reader.search(q, 10, depth=40)
             assert split.ids.tolist() == ids.tolist()
             np.testing.assert_allclose(split.distances, dist)

@@ -116,3 +116,12 @@ def test_the_url_sets_the_search_parameters() -> None:
     for bad in ("ef=0", "nprobe=-1", "ef=many"):
         with pytest.raises(ValueError, match="memory URL"):
             parse_memory_url(f"milvus://h/c?{bad}")
+
+
+def test_a_reranked_search_is_split_under_the_reply_limit() -> None:
+    from memlm.memory.milvus_reads import HIT_BYTES, REPLY_BYTES, SEARCH_BATCH, search_batch
+
+    # 1,024 candidates with their d=576 keys: 2.4 MB a query, 14 queries a call
+    assert search_batch(1024, 576) == REPLY_BYTES // (1024 * (4 * 576 + HIT_BYTES)) == 14
+    assert search_batch(64, 0) == SEARCH_BATCH  # without keys the batch limit binds
+    assert search_batch(16384, 576) == 1  # one query even when it alone is over the limit

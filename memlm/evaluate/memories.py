@@ -4,18 +4,24 @@ default) or a Milvus collection of its own, behind :class:`memlm.memory.MemoryBa
 ``run_policy`` opens the memory here and then talks to it only through the protocol, so
 the same stream slice can be ingested on both backends and compared (issue 32, "ppl
 parity"). The two differ only in what ``--index-kind auto`` builds (``auto_params``)
-and in what a fresh start and a discarded store remove.
+and in what a fresh start and a discarded store remove. A resumed run's memory is cut
+back to its checkpoint by the protocol (``restore``); the LM's log-probability of each
+stored entry, which consolidation asks for, is kept beside it by entry id
+(``EntryLogprobs``).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from memlm.evaluate.checkpoint import RunState
 from memlm.index import IndexParams
 from memlm.memory import MemoryBackend, MilvusURL, open_faiss, open_milvus, parse_memory_url
 
@@ -145,3 +151,53 @@ def describe_memory(url: str | None, policies: Sequence[str]) -> dict[str, Any]:
         "rerank": parsed.rerank,
         "collections": {p: run_memory(url, p).describe()["url"] for p in policies},
     }
+
+
+@dataclass(frozen=True)
+class _Checkpointed:
+    """What the checkpoint says the memory committed (memlm.memory.base.Committed): the
+    entries before ``end`` (faiss: a datastore length), the documents up to ``doc_no``."""
+
+    end_: int
+    doc_no: int
+
+    def end(self) -> int:
+        return self.end_
+
+    def holds(self, doc_ids: Sequence[int]) -> set[int]:
+        return {int(d) for d in doc_ids if d <= self.doc_no}
+
+
+def restore(memory: MemoryBackend, state: RunState) -> None:
+    """Serve the checkpointed index version and take out the unfinished day's entries."""
+    memory.reconcile([] if state.index_version is None else [state.index_version])
+    memory.recover(_Checkpointed(state.datastore_len, state.doc_no))
+    memory.refresh()
+
+
+class EntryLogprobs:
+    """log p_LM of each stored entry's value, by entry id (ascending, as appends give
+    them), kept beside the memory for consolidation (``lm_logprob.npy``; ``lm_ids.npy``
+    where the ids are not 0, 1, 2, ...)."""
+
+    def __init__(self, workdir: Path, end: int) -> None:
+        """The entries of the checkpoint (ids below ``end``)."""
+        self.path, self.ids_path = workdir / "lm_logprob.npy", workdir / "lm_ids.npy"
+        lp = np.load(self.path) if self.path.exists() else np.empty(0, np.float32)
+        ids = np.load(self.ids_path) if self.ids_path.exists() else np.arange(len(lp))
+        keep = ids < end
+        self.ids: list[int] = ids[keep].tolist()
+        self.lp: list[float] = lp[keep].tolist()
+
+    def extend(self, ids: np.ndarray, lp: np.ndarray) -> None:
+        self.ids.extend(ids.tolist())
+        self.lp.extend(lp.astype(np.float32).tolist())
+
+    def lookup(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The log-probs of given entry ids (each one stored); saves them first."""
+        ids = np.asarray(self.ids, np.int64)
+        lp = np.asarray(self.lp, np.float64)
+        np.save(self.path, lp.astype(np.float32))
+        if len(ids) and ids[-1] != len(ids) - 1:  # not datastore positions: keep the ids
+            np.save(self.ids_path, ids)
+        return lambda want: lp[np.searchsorted(ids, want)]

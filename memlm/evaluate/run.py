@@ -29,7 +29,7 @@ from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
 from memlm.evaluate.forgetting import Rescore
-from memlm.evaluate.memories import FAISS, RunMemory
+from memlm.evaluate.memories import FAISS, EntryLogprobs, RunMemory, restore
 from memlm.evaluate.plan import DayPlan, day_number
 from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.evaluate.served import EveningBuilds, with_seen_view
@@ -73,62 +73,12 @@ def _month(d: dt.date) -> str:
     return f"{d.year:04d}-{d.month:02d}"
 
 
-@dataclass(frozen=True)
-class _Checkpointed:
-    """What the checkpoint says the memory committed (memlm.memory.base.Committed): the
-    entries before ``end`` (faiss: a datastore length), the documents up to ``doc_no``."""
-
-    end_: int
-    doc_no: int
-
-    def end(self) -> int:
-        return self.end_
-
-    def holds(self, doc_ids: Sequence[int]) -> set[int]:
-        return {int(d) for d in doc_ids if d <= self.doc_no}
-
-
-def _restore(memory: MemoryBackend, state: RunState) -> None:
-    """Serve the checkpointed index version and take out the unfinished day's entries."""
-    memory.reconcile([] if state.index_version is None else [state.index_version])
-    memory.recover(_Checkpointed(state.datastore_len, state.doc_no))
-    memory.refresh()
-
-
 def _resume(workdir: Path, cache: TokenCache, state: RunState) -> tuple[Datastore, MemoryIndex]:
     """The faiss memory of ``workdir`` as the checkpoint left it, as its datastore and
     index (tests recompute a day's decisions from it)."""
     memory = FaissMemory.open(workdir, cache.encoder.dim)
-    _restore(memory, state)
+    restore(memory, state)
     return memory.datastore, memory.index
-
-
-class _EntryLogprobs:
-    """log p_LM of each stored entry's value, by entry id (ascending, as appends give
-    them), kept beside the memory for consolidation (``lm_logprob.npy``; ``lm_ids.npy``
-    where the ids are not 0, 1, 2, ...)."""
-
-    def __init__(self, workdir: Path, end: int) -> None:
-        """The entries of the checkpoint (ids below ``end``)."""
-        self.path, self.ids_path = workdir / "lm_logprob.npy", workdir / "lm_ids.npy"
-        lp = np.load(self.path) if self.path.exists() else np.empty(0, np.float32)
-        ids = np.load(self.ids_path) if self.ids_path.exists() else np.arange(len(lp))
-        keep = ids < end
-        self.ids: list[int] = ids[keep].tolist()
-        self.lp: list[float] = lp[keep].tolist()
-
-    def extend(self, ids: np.ndarray, lp: np.ndarray) -> None:
-        self.ids.extend(ids.tolist())
-        self.lp.extend(lp.astype(np.float32).tolist())
-
-    def lookup(self) -> Callable[[np.ndarray], np.ndarray]:
-        """The log-probs of given entry ids (each one stored); saves them first."""
-        ids = np.asarray(self.ids, np.int64)
-        lp = np.asarray(self.lp, np.float64)
-        np.save(self.path, lp.astype(np.float32))
-        if len(ids) and ids[-1] != len(ids) - 1:  # not datastore positions: keep the ids
-            np.save(self.ids_path, ids)
-        return lambda want: lp[np.searchsorted(ids, want)]
 
 
 def run_policy(
@@ -281,11 +231,11 @@ def _run_days(
 ) -> PolicyRun:
     """``run_policy``'s days from the checkpoint's on, with the memory ``mem`` open."""
     if state.days:
-        _restore(mem, state)
+        restore(mem, state)
     end = state.datastore_len  # past the last entry id stored (faiss: the datastore length)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
     usage = Usage.load(workdir)
-    lm_lp = _EntryLogprobs(workdir, end)
+    lm_lp = EntryLogprobs(workdir, end)
     follow: dict[tuple[str, int], PointerSearch] = {}
     evenings = None
     if ingest_served and policy is not None and policy.needs_augmented:

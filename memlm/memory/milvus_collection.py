@@ -70,13 +70,13 @@ from memlm.memory.milvus_generations import (
 from memlm.memory.milvus_index import milvus_index, params_for, search_param, searched
 from memlm.memory.milvus_reads import (
     MAX_TOPK,
-    SEARCH_BATCH,
     Page,
     count_in,
     documents_in,
     pages,
     provenance_in,
     scan_in,
+    search_batch,
     search_in,
     successors_in,
 )
@@ -87,10 +87,6 @@ log = logging.getLogger(__name__)
 
 # Rows per insert call: ~19 MB of float32 keys at d=576, under gRPC's 64 MB message limit.
 INSERT_BATCH = 8192
-# Bytes of one search answer at most (gRPC's limit is 64 MB), and of one hit without its
-# key (id, distance, value, framing).
-REPLY_BYTES = 32 * 1024 * 1024
-HIT_BYTES = 32
 # Rows of a sealed segment: Milvus's default segment.maxSize (512 MB) of raw float32 keys.
 SEGMENT_BYTES = 512 * 1024 * 1024
 _aliases = itertools.count()
@@ -458,10 +454,7 @@ class MilvusCollection:
         wanted = (k * p.rerank_factor if depth is None else max(k, depth)) if rerank else k
         fetch = min(MAX_TOPK, wanted)
         param = search_param(p, fetch)
-        # a re-rank brings every candidate's float32 key back: keep each answer under
-        # gRPC's message limit (1,024 candidates of d=576 are 2.4 MB a query)
-        per_query = fetch * ((4 * self.dim if rerank else 0) + HIT_BYTES)
-        batch = max(1, min(SEARCH_BATCH, REPLY_BYTES // per_query))
+        batch = search_batch(fetch, self.dim if rerank else 0)
         for a in range(0, nq, batch):
             part = self._read(
                 lambda coll: search_in(

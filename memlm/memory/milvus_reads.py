@@ -21,6 +21,20 @@ from memlm.memory.milvus_client import MAX_POSITION, Collection
 # Query vectors per search call (Milvus accepts up to 16,384; results must fit a message).
 SEARCH_BATCH = 1024
 MAX_TOPK = 16384  # Milvus's limit on k
+# Bytes of one search answer at most (gRPC's limit is 64 MB), and of one hit without its
+# key (id, distance, value, framing).
+REPLY_BYTES = 32 * 1024 * 1024
+HIT_BYTES = 32
+
+
+def search_batch(fetch: int, key_dim: int) -> int:
+    """Queries per search call when each brings ``fetch`` hits back, with their float32
+    keys of ``key_dim`` dimensions (0: without keys). A re-rank brings every candidate's
+    key back (1,024 candidates of d=576 are 2.4 MB a query): each answer stays under
+    gRPC's message limit."""
+    per_query = fetch * (4 * key_dim + HIT_BYTES)
+    return max(1, min(SEARCH_BATCH, REPLY_BYTES // per_query))
+
 
 Page = tuple[
     npt.NDArray[np.float32],
