@@ -120,7 +120,10 @@ class Settings(BaseSettings):
     # documents, and no month-end forgetting measured). usage: fewest hits of the
     # entry's block, then most redundant; redundancy; random.
     memory_budget_entries: int | None = Field(default=None, ge=0)
-    budget_criterion: Literal["usage", "redundancy", "age", "random"] = "age"
+    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "age"
+    # spread: the share of the budget that keeps the newest entries whole; the older days
+    # are thinned to the same size each (memlm.memory.consolidation.spread)
+    budget_recent_share: float = Field(default=0.5, ge=0.0, le=1.0)
 
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.

@@ -18,6 +18,8 @@ from memlm.memory.consolidation import (
     ConsolidationConfig,
     consolidate,
     read_cursor,
+    spread,
+    water_fill,
 )
 from memlm.memory.usage import Usage
 
@@ -187,7 +189,7 @@ def test_a_forget_racing_consolidation_never_brings_entries_back(memory: MemoryB
     assert memory.count() == 9
 
 
-@pytest.mark.parametrize("criterion", ["usage", "age", "redundancy", "random"])
+@pytest.mark.parametrize("criterion", ["usage", "age", "redundancy", "random", "spread"])
 def test_the_budget_is_kept_after_a_build(memory: MemoryBackend, criterion: str) -> None:
     _fill(memory)
     usage = Usage(block=1)
@@ -220,3 +222,65 @@ def test_an_age_budget_retires_the_oldest_wherever_the_cursor_is(memory: MemoryB
     rep = consolidate(memory, cfg, PARAMS, Usage())  # the window moves the cursor to 5
     assert rep.cursor == (0, live[5]) and rep.retired == {"test": 0, "budget": 4}
     assert sorted(_live(memory)) == live[4:]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_water_fill_keeps_the_total_at_one_level(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 30, size=int(rng.integers(1, 12)))
+    total = int(rng.integers(0, counts.sum() + 3))
+    keep = water_fill(counts, total)
+    assert keep.sum() == min(total, counts.sum()) and (keep <= counts).all() and (keep >= 0).all()
+    short = keep < counts  # the groups that gave: all at the level, or one above it
+    if short.any():
+        level = keep[short].min()
+        assert keep[short].max() <= level + 1 and (counts[~short] <= level + 1).all()
+
+
+def _spread_oracle(ids, days, excess, recent, rank):  # type: ignore[no-untyped-def]
+    """One at a time: the day (of the older entries) keeping the most gives its lowest
+    ranked (then oldest) entry; ties between days: the older day gives."""
+    old = max(0, len(ids) - recent)
+    if excess >= old:
+        return set(ids[:excess].tolist())
+    left = {
+        d: sorted((rank[i], ids[i]) for i in range(old) if days[i] == d)
+        for d in set(days[:old].tolist())
+    }
+    gone: set[int] = set()
+    for _ in range(excess):
+        d = max(sorted(left), key=lambda d: len(left[d]))  # first of the largest: the oldest
+        gone.add(int(left[d].pop(0)[1]))
+    return gone
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_spread_thins_the_older_days_evenly_as_one_at_a_time_would(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    ids = np.sort(rng.choice(1000, size=n, replace=False)).astype(np.int64)
+    days = np.sort(rng.integers(0, 6, size=n)).astype(np.int32)  # appended day by day
+    rank = rng.integers(0, 3, size=n).astype(np.float64)
+    excess, recent = int(rng.integers(0, n + 1)), int(rng.integers(0, n + 1))
+    got = spread(ids, days, excess, recent, rank)
+    assert len(got) == excess and set(got.tolist()) == _spread_oracle(
+        ids, days, excess, recent, rank
+    )
+
+
+def test_a_spread_budget_keeps_the_newest_and_thins_every_older_day(memory: MemoryBackend) -> None:
+    rng = np.random.default_rng(3)
+    sizes = {1: 20, 2: 10, 3: 20, 4: 6}  # document (= day offset) -> entries
+    with memory.writer():
+        for doc, n in sizes.items():
+            keys = (rng.standard_normal((n, DIM)) * 20).astype(np.float32)
+            memory.put_document(doc, keys, np.arange(n) + 100, np.arange(1, n + 1), DAY + doc)
+    memory.build()
+    memory.reload()
+    cfg = ConsolidationConfig(budget=30, criterion="spread", recent=0.2)  # the newest 6 whole
+    rep = consolidate(memory, cfg, PARAMS, Usage())
+    assert rep.retired == {"test": 0, "budget": 26} and memory.count() == 30
+    ids, days = memory.live_days()
+    kept = {d - DAY: int(n) for d, n in zip(*np.unique(days, return_counts=True), strict=True)}
+    assert kept == {1: 8, 2: 8, 3: 8, 4: 6}  # 24 for the three older days, 8 each
+    assert len(ids) == 30 and (np.diff(ids) > 0).all()

@@ -47,7 +47,12 @@ def eval_command(
     ),
     budget: int | None = typer.Option(None, help="+budget policies: entries kept after a build"),
     budget_criterion: str = typer.Option(
-        "age", help="what a +budget policy retires first: age, usage, redundancy or random"
+        "age",
+        help="what a +budget policy retires first: age, usage, redundancy, random, or spread "
+        "(every older day thinned to the same size, the newest --budget-recent kept whole)",
+    ),
+    budget_recent: float = typer.Option(
+        0.5, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(
@@ -209,9 +214,11 @@ def eval_command(
         unknown = sorted(p for p in chosen if policy_parts(p)[0] not in POLICY_NAMES)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policies") from None
-    if budget_criterion not in ("usage", "redundancy", "age", "random"):
+    from memlm.memory.consolidation import CRITERIA
+
+    if budget_criterion not in CRITERIA:
         raise typer.BadParameter(
-            "choose usage, redundancy, age or random", param_hint="--budget-criterion"
+            f"choose one of {', '.join(CRITERIA)}", param_hint="--budget-criterion"
         )
     if any(policy_parts(p)[2] for p in chosen) and (budget is None or budget < 0):
         raise typer.BadParameter("+budget policies need --budget >= 0", param_hint="--budget")
@@ -331,6 +338,7 @@ def eval_command(
         consolidate_sample=consolidate_sample,
         budget=budget,
         budget_criterion=budget_criterion,
+        budget_recent=budget_recent,
         memory_url=None if embedded else memory_url,
     )
     if calibrator_min_tokens is not None:

@@ -89,6 +89,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
             delta=DEFAULT_DELTA if settings.delta is None else settings.delta,
             budget=settings.memory_budget_entries,
             criterion=settings.budget_criterion,
+            recent=settings.budget_recent_share,
         ),
         build_lock=shared_build_lock(settings),
         **extra,

@@ -83,10 +83,12 @@ class EvalConfig:
     trime: TrimeSpec | None = None  # TRIME local/long-term memory (--local-memory/--long-memory)
     # consolidating policies: "<policy>+cons" re-tests this many stored entries a night
     # (memlm.memory.consolidation); "<policy>+budget" keeps at most ``budget`` entries,
-    # retiring first by ``budget_criterion`` (usage, redundancy, age, random)
+    # retiring first by ``budget_criterion`` (usage, redundancy, age, random, spread;
+    # spread keeps the newest ``budget_recent`` share of the budget whole)
     consolidate_sample: int = 2048
     budget: int | None = None
     budget_criterion: str = "age"
+    budget_recent: float = 0.5
     # where each policy's memory lives: None (or "faiss") the faiss files of its work
     # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own
     # (memlm.evaluate.memories); the bare LM needs none
@@ -121,6 +123,7 @@ def consolidation_of(name: str, cfg: EvalConfig) -> ConsolidationConfig | None:
         budget=cfg.budget if budget else None,
         criterion=cfg.budget_criterion,  # type: ignore[arg-type]
         seed=cfg.seed,
+        recent=cfg.budget_recent,
     )
 
 

@@ -233,6 +233,11 @@ class MemoryBackend(Protocol):
         """Document, position and day of each (valid) entry id."""
         ...
 
+    def live_days(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """Every live entry's id (ascending) and day: two integer columns, no keys (the
+        ``spread`` budget counts each day's entries with it)."""
+        ...
+
     def count(self) -> int:
         """Live entries the memory holds now."""
         ...

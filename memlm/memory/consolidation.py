@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +53,8 @@ CONSOLIDATE_CRASH_POINTS = (
     "consolidate_after_retire",  # the failures retired, the cursor not moved
     "consolidate_after_budget",  # the budget's retirements done, the cursor moved
 )
-Criterion = Literal["usage", "redundancy", "age", "random"]
+Criterion = Literal["usage", "redundancy", "age", "random", "spread"]
+CRITERIA: tuple[str, ...] = get_args(Criterion)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class ConsolidationConfig:
     budget: int | None = None  # live entries kept after a build; None: no budget
     criterion: Criterion = "age"  # measured best on slice20 (Settings.budget_criterion)
     seed: int = 0  # the random criterion's
+    # spread: the share of the budget that keeps the newest entries whole; the rest is
+    # shared evenly by the older days (``spread``)
+    recent: float = 0.5
 
     @property
     def active(self) -> bool:
@@ -186,6 +190,49 @@ def _pool(
     return ids, lp
 
 
+def water_fill(counts: npt.NDArray[np.int64], total: int) -> npt.NDArray[np.int64]:
+    """How many of each group to keep so that ``total`` are kept and no group keeps more
+    than it has: every group keeps min(its count, c) for one level c, and the remainder
+    goes one each to the last groups over the level."""
+    counts = np.asarray(counts, np.int64)
+    if total >= counts.sum():
+        return counts.copy()
+    lo, hi = 0, int(counts.max())  # the largest c with sum(min(counts, c)) <= total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if np.minimum(counts, mid).sum() <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    keep = np.minimum(counts, lo)
+    extra = np.flatnonzero(counts > lo)[::-1][: max(0, total - int(keep.sum()))]
+    keep[extra] += 1
+    return keep
+
+
+def spread(
+    ids: npt.NDArray[np.int64],
+    days: npt.NDArray[np.int32],
+    excess: int,
+    recent: int,
+    rank: npt.NDArray[np.float64],
+) -> npt.NDArray[np.int64]:
+    """The ``excess`` entries a spread budget retires. ``ids`` (ascending) and ``days``:
+    every live entry. The newest ``recent`` entries are kept whole; the older ones are
+    thinned so that each day keeps the same number of entries at most
+    (:func:`water_fill`), so no day (no month) is forgotten before the others. Within a
+    day, the lowest ``rank`` goes first (then the oldest)."""
+    old = max(0, len(ids) - recent)
+    if excess >= old:  # the older days cannot give enough: the newest go by age
+        return ids[: min(excess, len(ids))]
+    udays, inv, counts = np.unique(days[:old], return_inverse=True, return_counts=True)
+    give = counts - water_fill(counts, old - excess)
+    order = np.lexsort((ids[:old], rank[:old], inv))  # by day, then rank, then id
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    nth = np.arange(old) - start[inv[order]]  # place of each entry within its day
+    return np.sort(ids[:old][order][nth < give[inv[order]]])
+
+
 def consolidate(
     memory: MemoryBackend,
     cfg: ConsolidationConfig,
@@ -231,6 +278,13 @@ def consolidate(
         excess = live - cfg.budget
         if cfg.criterion == "age":  # the oldest live entries: the first ids, nothing to score
             chosen = memory.scan(0, excess).ids
+        elif cfg.criterion == "spread":  # no search: days, hits and p_LM where known
+            ids, days = memory.live_days()
+            hits, _ = usage.of(ids)
+            rank = hits.astype(np.float64)
+            if lm_logprob is not None:  # among equal hits, what the LM predicts best first
+                rank = rank - 1e-3 * np.exp(lm_logprob(ids))
+            chosen = spread(ids, days, excess, int(cfg.recent * cfg.budget), rank)
         else:
             pool_ids, pool_lp = _pool(
                 memory, root, pool_ids, pool_lp, 2 * excess, live, params, lm_logprob

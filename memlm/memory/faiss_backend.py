@@ -240,6 +240,12 @@ class FaissMemory(MemoryBackend):
             np.asarray(docs, np.int64), np.asarray(pos, np.int64), np.asarray(days, np.int32)
         )
 
+    def live_days(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        ds = self.datastore
+        ids = np.arange(len(ds), dtype=np.int64)
+        ids = ids[ds.live_mask(ids)]
+        return ids, self.provenance(ids).days
+
     def count(self) -> int:
         return int(self.datastore.num_live)
 

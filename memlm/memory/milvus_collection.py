@@ -72,6 +72,7 @@ from memlm.memory.milvus_reads import (
     MAX_TOPK,
     Page,
     count_in,
+    days_in,
     documents_in,
     pages,
     provenance_in,
@@ -489,6 +490,10 @@ class MilvusCollection:
         if q.ndim != 2 or q.shape[1] != self.dim or prev.shape[:1] != q.shape[:1]:
             raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
         return successors_in(self.collection, q, prev, self.url.consistency, self.timeout)
+
+    @mapped
+    def live_days(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        return self._read(lambda coll: days_in(coll, self.timeout))
 
     @mapped
     def provenance(self, ids: npt.ArrayLike) -> Provenance:

@@ -110,6 +110,28 @@ def documents_in(coll: Collection) -> set[int]:
     return out
 
 
+def days_in(coll: Collection, timeout: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+    """Every live row's id and day, in id order (two int columns; no keys)."""
+    ids: list[int] = []
+    days: list[int] = []
+    it = coll.query_iterator(
+        batch_size=16384,
+        expr="",
+        output_fields=["day"],
+        consistency_level="Strong",
+        timeout=timeout,
+    )
+    try:
+        while page := it.next():
+            ids.extend(int(r["id"]) for r in page)
+            days.extend(int(r["day"]) for r in page)
+    finally:
+        it.close()
+    out, d = np.asarray(ids, np.int64), np.asarray(days, np.int32)
+    order = np.argsort(out, kind="stable")
+    return out[order], d[order]
+
+
 def pages(coll: Collection, dim: int, batch_size: int, timeout: int) -> Iterator[Page]:
     """Every row, a page at a time: (keys float32 (n, dim), values, documents, positions,
     days)."""
