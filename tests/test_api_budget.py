@@ -21,8 +21,9 @@ def tiny() -> Any:
     return Encoder.load("tiny-llama", threads=1)
 
 
+@pytest.mark.parametrize("criterion", ["age", "spread"])
 def test_the_build_keeps_the_budget_and_says_what_it_retired(
-    tmp_path: Path, sqlite_url: str, tiny: Any
+    tmp_path: Path, sqlite_url: str, tiny: Any, criterion: str
 ) -> None:
     settings = make_settings(
         tmp_path,
@@ -31,6 +32,7 @@ def test_the_build_keeps_the_budget_and_says_what_it_retired(
         knn_lambda=0.25,
         consolidate_sample=64,
         memory_budget_entries=BUDGET,
+        budget_criterion=criterion,
     )
     for env in _env(settings, tiny):
         c = env.client
@@ -46,11 +48,13 @@ def test_the_build_keeps_the_budget_and_says_what_it_retired(
         cons = build["consolidation"]
         assert build["status"] == "done" and build["entries"] == env.engine.memory.count()
         assert build["entries"] <= BUDGET and cons["budget"] == BUDGET
-        assert cons["criterion"] == "age" and cons["examined"] == min(64, stored)
+        assert cons["criterion"] == criterion and cons["examined"] == min(64, stored)
+        assert cons["recent"] == (0.5 if criterion == "spread" else None)
         retired = cons["retired"]["test"] + cons["retired"]["budget"]
         assert retired == stored - build["entries"] and cons["retired"]["budget"] > 0
         stats = c.get("/admin/stats", headers=ADMIN).json()
         assert stats["entries"] == build["entries"]
         assert stats["consolidation"]["budget"] == BUDGET
+        assert stats["consolidation"]["recent"] == cons["recent"]
         assert stats["consolidation"]["last"]["retired"] == cons["retired"]
         assert stats["consolidation"]["usage"]["retrievals"] > 0

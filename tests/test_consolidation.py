@@ -284,3 +284,26 @@ def test_a_spread_budget_keeps_the_newest_and_thins_every_older_day(memory: Memo
     kept = {d - DAY: int(n) for d, n in zip(*np.unique(days, return_counts=True), strict=True)}
     assert kept == {1: 8, 2: 8, 3: 8, 4: 6}  # 24 for the three older days, 8 each
     assert len(ids) == 30 and (np.diff(ids) > 0).all()
+
+
+def test_a_spread_budget_retires_what_the_lm_predicts_best_within_a_day(
+    memory: MemoryBackend,
+) -> None:
+    rng = np.random.default_rng(4)
+    with memory.writer():
+        for doc in (1, 2):
+            keys = (rng.standard_normal((10, DIM)) * 20).astype(np.float32)
+            memory.put_document(doc, keys, np.arange(10) + 100, np.arange(1, 11), DAY + doc)
+    memory.build()
+    memory.reload()
+    ids, _ = memory.live_days()
+    good = set(ids[[1, 4, 6, 13, 17]].tolist())  # the LM predicts these well: they go first
+
+    def lm_logprob(want: np.ndarray) -> np.ndarray:
+        return np.array([-0.1 if int(i) in good else -5.0 for i in want])
+
+    cfg = ConsolidationConfig(budget=14, criterion="spread", recent=0.0)
+    rep = consolidate(memory, cfg, PARAMS, Usage(), lm_logprob=lm_logprob)
+    assert rep.retired["budget"] == 6 and rep.recent == 0.0
+    gone = set(ids.tolist()) - set(memory.live_days()[0].tolist())
+    assert good <= gone and len(gone & set(ids[:10].tolist())) == 3  # 7 kept a day

@@ -96,7 +96,14 @@ class ConsolidationOut(BaseModel):
 
     sample: int = Field(description="stored entries re-tested at each build (0: none)")
     budget: int | None = Field(description="live entries a build keeps at most (None: none)")
-    criterion: str = Field(description="what the budget retires first: usage, redundancy, ...")
+    criterion: str = Field(
+        description="what the budget retires first: age, usage, redundancy, random, spread"
+    )
+    recent: float | None = Field(
+        None,
+        description="spread: the share of the budget kept for the newest entries, whole "
+        "(the older days are thinned to the same size each); None for the other criteria",
+    )
     last: dict[str, Any] | None = Field(
         None,
         description="the last night: examined, failed, retired per reason (test: would not "

@@ -34,6 +34,7 @@ class StatsMixin(EngineCore):
             "sample": cfg.sample,
             "budget": cfg.budget,
             "criterion": cfg.criterion,
+            "recent": cfg.spread_recent,
             "last": read_last(self.memory.root),
             "usage": self.usage.totals(),
         }

@@ -22,7 +22,12 @@ The test is ``memlm.knnlm.consolidate``; what the budget retires first is ``crit
 ``age`` (oldest ids first: the default, because it measured best on slice20,
 docs/results/slice20-consolidate), ``usage`` (fewest hits of its block,
 ``memlm.memory.usage``, then most redundant), ``redundancy`` (highest leave-one-out
-log-probability today) or ``random``.
+log-probability today), ``random``, or ``spread``: the newest ``recent`` share of the
+budget stays whole and every older day is thinned to the same size (:func:`spread`), the
+entries the LM predicts best going first where p_LM is known (the harness), else the
+oldest (the service keeps no p_LM). Spread retires by day, not by age, so no month is
+forgotten before the others; it scores nothing: its cost is one read of every live
+entry's id and day (``MemoryBackend.live_days``), docs/results/slice14d-spread.
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ class ConsolidationConfig:
     def active(self) -> bool:
         return self.sample > 0 or self.budget is not None
 
+    @property
+    def spread_recent(self) -> float | None:
+        """The share of the budget kept for the newest entries (None: not spread)."""
+        return self.recent if self.criterion == "spread" else None
+
 
 @dataclass
 class ConsolidationReport:
@@ -89,6 +99,7 @@ class ConsolidationReport:
     wrapped: bool = False  # the window reached the end of the memory
     budget: int | None = None
     criterion: str = "age"
+    recent: float | None = None  # spread: the share of the budget kept for the newest
     live_before: int = 0
     live_after: int = 0
     seconds: float = 0.0
@@ -250,7 +261,7 @@ def consolidate(
         raise ValueError(f"crash_at must be one of {CONSOLIDATE_CRASH_POINTS}, got {crash_at!r}")
     t0 = time.perf_counter()
     root = state or memory.root
-    rep = ConsolidationReport(budget=cfg.budget, criterion=cfg.criterion)
+    rep = ConsolidationReport(budget=cfg.budget, criterion=cfg.criterion, recent=cfg.spread_recent)
     rep.live_before = memory.count()
     start = read_cursor(root)
     pool_ids = np.empty(0, np.int64)
@@ -278,12 +289,11 @@ def consolidate(
         excess = live - cfg.budget
         if cfg.criterion == "age":  # the oldest live entries: the first ids, nothing to score
             chosen = memory.scan(0, excess).ids
-        elif cfg.criterion == "spread":  # no search: days, hits and p_LM where known
+        elif cfg.criterion == "spread":  # no search: the days, and p_LM where known
             ids, days = memory.live_days()
-            hits, _ = usage.of(ids)
-            rank = hits.astype(np.float64)
-            if lm_logprob is not None:  # among equal hits, what the LM predicts best first
-                rank = rank - 1e-3 * np.exp(lm_logprob(ids))
+            # within a day: what the LM predicts best first where p_LM is known, else the
+            # oldest (usage hits measured worse: docs/results/slice14d-spread)
+            rank = np.zeros(len(ids)) if lm_logprob is None else -lm_logprob(ids)
             chosen = spread(ids, days, excess, int(cfg.recent * cfg.budget), rank)
         else:
             pool_ids, pool_lp = _pool(

@@ -255,13 +255,19 @@
     body.appendChild(tr);
   }
 
+  // what the budget retires first; spread keeps the newest share of the budget whole
+  function criterion(c) {
+    return c.criterion + (c.recent !== null && c.recent !== undefined
+      ? ", the newest " + Math.round(100 * c.recent) + "% whole" : "");
+  }
+
   // what a build's consolidation retired: re-tested entries that would not be stored
   // today, and entries retired to keep the memory budget
   function retired(c) {
     if (!c) return "–";
     var r = c.retired || {};
     return num(r.test || 0) + " / " + num(r.budget || 0) + (c.budget !== null && c.budget !== undefined
-      ? " (budget " + num(c.budget) + ", " + c.criterion + ")" : "") + ", " + num(c.examined) + " re-tested";
+      ? " (budget " + num(c.budget) + ", " + criterion(c) + ")" : "") + ", " + num(c.examined) + " re-tested";
   }
 
   function builds(d) {
@@ -315,7 +321,7 @@
     }
     var cons = s.consolidation;
     if (cons) {
-      fact("memory budget", (cons.budget === null ? "none" : num(cons.budget) + " entries, retiring by " + cons.criterion) +
+      fact("memory budget", (cons.budget === null ? "none" : num(cons.budget) + " entries, retiring by " + criterion(cons)) +
         "; " + num(cons.sample) + " entries re-tested a build" +
         (cons.last ? "; last build retired " + num(cons.last.retired.test) + " (would not be stored today) and " +
           num(cons.last.retired.budget) + " (budget)" : ""));
