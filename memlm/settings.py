@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "age"
     # spread: the share of the budget that keeps the newest entries whole; the older days
     # are thinned to the same size each (memlm.memory.consolidation.spread)
-    budget_recent_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    budget_recent_share: float = Field(default=0.25, ge=0.0, le=1.0)
 
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.

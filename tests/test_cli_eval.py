@@ -268,3 +268,22 @@ def test_memory_url_embedded_runs_on_a_server_of_its_own(
     assert result.exit_code == 0, result.output
     assert started == [out / "milvus"] and stopped == [True]
     assert captured[0].memory_url == "milvus://127.0.0.1:19777/memlm_eval"
+
+
+def test_a_spread_budget_reaches_the_consolidation(captured: list[Any], tmp_path: Path) -> None:
+    from memlm.evaluate.config import consolidation_of
+
+    args = ["eval", "--out", str(tmp_path), "--policies", "fullmem+budget", "--budget", "900"]
+    result = CliRunner().invoke(app, [*args, "--budget-criterion", "spread"])
+    assert result.exit_code == 0, result.output
+    cons = consolidation_of("fullmem+budget", captured[0])
+    assert cons is not None and (cons.budget, cons.criterion, cons.recent) == (900, "spread", 0.25)
+    result = CliRunner().invoke(
+        app, [*args, "--budget-criterion", "spread", "--budget-recent", "0.6"]
+    )
+    cons = consolidation_of("fullmem+budget", captured[1])
+    assert cons is not None and cons.recent == 0.6 and cons.spread_recent == 0.6
+    result = CliRunner().invoke(
+        app, [*args, "--budget-criterion", "newest"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 2 and "spread" in result.output and len(captured) == 2

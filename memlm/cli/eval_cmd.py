@@ -52,7 +52,7 @@ def eval_command(
         "(every older day thinned to the same size, the newest --budget-recent kept whole)",
     ),
     budget_recent: float = typer.Option(
-        0.5, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
+        0.25, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(

@@ -88,7 +88,7 @@ class EvalConfig:
     consolidate_sample: int = 2048
     budget: int | None = None
     budget_criterion: str = "age"
-    budget_recent: float = 0.5
+    budget_recent: float = 0.25
     # where each policy's memory lives: None (or "faiss") the faiss files of its work
     # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own
     # (memlm.evaluate.memories); the bare LM needs none
