@@ -279,10 +279,20 @@ def test_a_spread_budget_reaches_the_consolidation(captured: list[Any], tmp_path
     cons = consolidation_of("fullmem+budget", captured[0])
     assert cons is not None and (cons.budget, cons.criterion, cons.recent) == (900, "spread", 0.25)
     result = CliRunner().invoke(
-        app, [*args, "--budget-criterion", "spread", "--budget-recent", "0.6"]
+        app,
+        [
+            *args,
+            "--budget-criterion",
+            "spread",
+            "--budget-recent",
+            "0.6",
+            "--spread-rank",
+            "oldest",
+        ],
     )
     cons = consolidation_of("fullmem+budget", captured[1])
     assert cons is not None and cons.recent == 0.6 and cons.spread_recent == 0.6
+    assert cons.within == "oldest"
     result = CliRunner().invoke(
         app, [*args, "--budget-criterion", "newest"], env={"COLUMNS": "200"}
     )

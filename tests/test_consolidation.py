@@ -307,3 +307,27 @@ def test_a_spread_budget_retires_what_the_lm_predicts_best_within_a_day(
     assert rep.retired["budget"] == 6 and rep.recent == 0.0
     gone = set(ids.tolist()) - set(memory.live_days()[0].tolist())
     assert good <= gone and len(gone & set(ids[:10].tolist())) == 3  # 7 kept a day
+
+
+@pytest.mark.parametrize("within", ["lm", "oldest", "usage", "random"])
+def test_each_within_day_rank_of_spread(within: str) -> None:
+    from memlm.memory.consolidation import _within_day
+
+    ids = np.arange(6, dtype=np.int64)
+    usage = Usage(block=1)
+    usage.add(ids[:3].reshape(-1, 1), np.full((3, 1), 5, np.int32), np.full(3, 5))  # 0-2 hit
+    lp = np.array([-0.1, -3.0, -0.2, -4.0, -0.3, -5.0])
+    cfg = ConsolidationConfig(budget=1, criterion="spread", within=within)  # type: ignore[arg-type]
+    rank = _within_day(cfg, ids, usage, lambda want: lp[want])
+    first = list(np.lexsort((ids, rank)))
+    if within == "lm":
+        assert first == [0, 2, 4, 1, 3, 5]
+    if within == "oldest":
+        assert first == list(range(6))
+        assert (_within_day(cfg, ids, usage, None) == 0).all()
+    if within == "usage":
+        assert first == [4, 3, 5, 0, 2, 1]  # no hits first, then the best predicted
+    if within == "random":
+        assert sorted(first) == list(range(6))
+    lm_cfg = ConsolidationConfig(budget=1, criterion="spread", within="lm")
+    assert (_within_day(lm_cfg, ids, usage, None) == 0).all()  # no p_LM: the oldest

@@ -51,6 +51,11 @@ def eval_command(
         help="what a +budget policy retires first: age, usage, redundancy, random, or spread "
         "(every older day thinned to the same size, the newest --budget-recent kept whole)",
     ),
+    spread_rank: str = typer.Option(
+        "lm",
+        help="spread: what goes first within a day: lm (what the LM predicts best), oldest, "
+        "usage (fewest hits of its block) or random",
+    ),
     budget_recent: float = typer.Option(
         0.25, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
     ),
@@ -214,11 +219,15 @@ def eval_command(
         unknown = sorted(p for p in chosen if policy_parts(p)[0] not in POLICY_NAMES)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--policies") from None
-    from memlm.memory.consolidation import CRITERIA
+    from memlm.memory.consolidation import CRITERIA, SPREAD_RANKS
 
     if budget_criterion not in CRITERIA:
         raise typer.BadParameter(
             f"choose one of {', '.join(CRITERIA)}", param_hint="--budget-criterion"
+        )
+    if spread_rank not in SPREAD_RANKS:
+        raise typer.BadParameter(
+            f"choose one of {', '.join(SPREAD_RANKS)}", param_hint="--spread-rank"
         )
     if any(policy_parts(p)[2] for p in chosen) and (budget is None or budget < 0):
         raise typer.BadParameter("+budget policies need --budget >= 0", param_hint="--budget")
@@ -339,6 +348,7 @@ def eval_command(
         budget=budget,
         budget_criterion=budget_criterion,
         budget_recent=budget_recent,
+        spread_rank=spread_rank,
         memory_url=None if embedded else memory_url,
     )
     if calibrator_min_tokens is not None:

@@ -89,6 +89,7 @@ class EvalConfig:
     budget: int | None = None
     budget_criterion: str = "age"
     budget_recent: float = 0.25
+    spread_rank: str = "lm"  # spread: what goes first within a day (SPREAD_RANKS)
     # where each policy's memory lives: None (or "faiss") the faiss files of its work
     # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own
     # (memlm.evaluate.memories); the bare LM needs none
@@ -124,6 +125,7 @@ def consolidation_of(name: str, cfg: EvalConfig) -> ConsolidationConfig | None:
         criterion=cfg.budget_criterion,  # type: ignore[arg-type]
         seed=cfg.seed,
         recent=cfg.budget_recent,
+        within=cfg.spread_rank,  # type: ignore[arg-type]
     )
 
 

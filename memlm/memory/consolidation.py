@@ -60,6 +60,11 @@ CONSOLIDATE_CRASH_POINTS = (
 )
 Criterion = Literal["usage", "redundancy", "age", "random", "spread"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
+# How spread orders a day's entries (what goes first): lm, the best predicted by the LM
+# where p_LM is known (else the oldest); oldest; usage, the fewest hits of the block (then
+# the best predicted); random. lm measured best (docs/results/slice14d-spread).
+SpreadRank = Literal["lm", "oldest", "usage", "random"]
+SPREAD_RANKS: tuple[str, ...] = get_args(SpreadRank)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class ConsolidationConfig:
     # spread: the share of the budget that keeps the newest entries whole; the rest is
     # shared evenly by the older days (``spread``)
     recent: float = 0.25  # measured: docs/results/slice14d-spread
+    within: SpreadRank = "lm"  # spread: what goes first within a day
 
     @property
     def active(self) -> bool:
@@ -174,6 +180,24 @@ def _rank(
         return np.lexsort((ids, -lp))
     hits, _ = usage.of(ids)
     return np.lexsort((ids, -lp, hits))  # fewest hits, then most redundant, then oldest
+
+
+def _within_day(
+    cfg: ConsolidationConfig,
+    ids: npt.NDArray[np.int64],
+    usage: Usage,
+    lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None,
+) -> np.ndarray:
+    """The spread budget's order within a day: the lowest goes first (ties: the oldest)."""
+    lm = None if lm_logprob is None else lm_logprob(ids)
+    if cfg.within == "random":
+        return np.random.default_rng([cfg.seed, len(ids)]).random(len(ids))
+    if cfg.within == "usage":
+        hits = usage.of(ids)[0].astype(np.float64)
+        return hits if lm is None else hits - 1e-3 * np.exp(lm)
+    if cfg.within == "lm" and lm is not None:
+        return -np.asarray(lm, np.float64)
+    return np.zeros(len(ids))  # oldest, or lm without p_LM
 
 
 def _pool(
@@ -291,9 +315,7 @@ def consolidate(
             chosen = memory.scan(0, excess).ids
         elif cfg.criterion == "spread":  # no search: the days, and p_LM where known
             ids, days = memory.live_days()
-            # within a day: what the LM predicts best first where p_LM is known, else the
-            # oldest (usage hits measured worse: docs/results/slice14d-spread)
-            rank = np.zeros(len(ids)) if lm_logprob is None else -lm_logprob(ids)
+            rank = _within_day(cfg, ids, usage, lm_logprob)
             chosen = spread(ids, days, excess, int(cfg.recent * cfg.budget), rank)
         else:
             pool_ids, pool_lp = _pool(
