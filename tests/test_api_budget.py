@@ -58,3 +58,5 @@ def test_the_build_keeps_the_budget_and_says_what_it_retired(
         assert stats["consolidation"]["recent"] == cons["recent"]
         assert stats["consolidation"]["last"]["retired"] == cons["retired"]
         assert stats["consolidation"]["usage"]["retrievals"] > 0
+        lm = stats["consolidation"]["entry_lm"]
+        assert lm["entries"] == build["entries"] and lm["bytes"] == 10 * lm["entries"]

@@ -143,3 +143,44 @@ def test_a_document_retried_after_a_failed_append_counts_its_usage_once(
     after = engine.usage.totals()
     for key in ("retrievals", "hits"):
         assert after[key] - before[key] == once.totals()[key], key
+
+
+def test_the_engine_keeps_each_stored_entrys_lm_logprob_across_a_restart(
+    tmp_path: Path,
+    tiny: Any,  # noqa: F811
+    memory_url: str | None,  # noqa: F811
+    opened: list[Engine],  # noqa: F811
+) -> None:
+    """The oracle: the encoder's log p_LM of each stored token, by (document, position)."""
+    import numpy as np
+
+    engine = _open(tmp_path / "data", tiny, memory_url)
+    engine.consolidation = ConsolidationConfig()  # nothing retired: every entry checked
+    opened.append(engine)
+    texts = {1: TEXTS[0], 2: TEXTS[1]}
+    for doc, text in texts.items():
+        engine.process_document(doc, text, DAY)
+    want: dict[tuple[int, int], float] = {}
+    for doc, text in texts.items():
+        out = engine.prepare_document(99, text, DAY).outputs
+        want |= {
+            (doc, int(p)): float(v) for p, v in zip(out.positions, out.target_logprob, strict=True)
+        }
+
+    def check(e: Engine) -> None:
+        ids, _ = e.memory.live_days()
+        prov = e.memory.provenance(ids)
+        got = e.entry_lm.of(ids)
+        expect = [
+            want[(int(d), int(p))] for d, p in zip(prov.documents, prov.positions, strict=True)
+        ]
+        assert len(ids) == len(e.entry_lm) and not np.isnan(got).any()
+        np.testing.assert_allclose(got, expect, rtol=2e-3, atol=2e-3)  # float16
+
+    check(engine)
+    engine.rebuild()  # saves them beside the usage counts
+    engine.close()
+    opened.remove(engine)
+    again = _open(tmp_path / "data", tiny, memory_url)
+    opened.append(again)
+    check(again)

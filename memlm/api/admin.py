@@ -112,6 +112,11 @@ class ConsolidationOut(BaseModel):
     usage: dict[str, int] = Field(
         description="retrievals and hits counted per block of entries while ingesting"
     )
+    entry_lm: dict[str, int] = Field(
+        default_factory=dict,
+        description="the log p_LM kept per stored entry (entries, bytes in RAM): the spread "
+        "budget's order within a day and the exact re-test",
+    )
 
 
 class StatsResponse(BaseModel):

@@ -89,17 +89,30 @@ class BuildMixin(EngineCore):
         (``memlm.memory.consolidation``); the usage counts are saved beside the build
         records. Returns the night's report (None when consolidation is off).
 
-        The service's memories keep no p_LM per entry: the test takes it as 0 (a lower
-        bound on p), so it retires only entries their neighbours alone make redundant.
+        The engine keeps log p_LM of each entry it stored (``self.entry_lm``): the test is
+        then exact, as the harness's; where it is unknown (stored before this was kept, by
+        another process, or since a crash after the last build) it takes p_LM as 0, a
+        lower bound, and the spread budget keeps such an entry last within its day.
         """
         self._check_writer()
         cfg = self.consolidation
         with self.building():
             self.usage.save(self.memory.root)  # the counts so far survive a crash below
+            self.entry_lm.save(self.memory.root)
             if not cfg.active:
                 return None
             with self.exclusive(), self._write_lock:
-                rep = consolidate(self.memory, cfg, self.knn, self.usage, crash_at=crash_at)
+                rep = consolidate(
+                    self.memory,
+                    cfg,
+                    self.knn,
+                    self.usage,
+                    crash_at=crash_at,
+                    lm_logprob=self.entry_lm.of,
+                )
+                if rep.retired["test"] or rep.retired["budget"]:  # their p_LM goes too
+                    self.entry_lm.prune(self.memory.live_days()[0])
+                    self.entry_lm.save(self.memory.root)
         retired = rep.retired
         if retired["test"] or retired["budget"]:
             log.info(

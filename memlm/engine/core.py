@@ -23,6 +23,7 @@ from memlm.knnlm.words import WordConfig
 from memlm.locks import FileLock, LockBusy, ProcessLock
 from memlm.memory import Committed, MemoryBackend, Neighbours, Recovered, open_memory
 from memlm.memory.consolidation import ConsolidationConfig
+from memlm.memory.entry_lm import EntryLM
 from memlm.memory.pointers import PointerConfig, PointerSearch
 from memlm.memory.usage import Usage
 
@@ -129,6 +130,9 @@ class EngineCore:
         self.consolidation = consolidation or ConsolidationConfig()
         # retrievals and hits per block of entries, counted from MoNIM's searches
         self.usage = Usage.load(self.memory.root)
+        # log p_LM of each stored entry's value: the spread budget's order within a day
+        # and the exact re-test of consolidation (memlm.memory.entry_lm)
+        self.entry_lm = EntryLM.load(self.memory.root)
         # held-out tokens recorded while ingesting, for the calibrator of the next build
         self.heldout = HeldOutRecorder(self.data_dir / PENDING_DIR, heldout or HeldOutConfig())
 

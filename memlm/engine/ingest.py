@@ -118,6 +118,9 @@ class IngestMixin(EngineCore):
             span = self.memory.put_document(
                 doc_id, out.keys[mask], out.targets[mask], out.positions[mask], prep.day
             )
+            # after the put: the ids are its own (an id used again takes the new value)
+            ids = self.memory.entry_ids(doc_id, out.positions[mask], span)
+            self.entry_lm.add(ids, out.target_logprob[mask])
         if crash_at == "after_append":
             raise SimulatedCrash("engine: crash after the append, before the caller commits")
         if span is None:  # ids found by document (Milvus): no range to record

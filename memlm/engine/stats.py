@@ -37,6 +37,7 @@ class StatsMixin(EngineCore):
             "recent": cfg.spread_recent,
             "last": read_last(self.memory.root),
             "usage": self.usage.totals(),
+            "entry_lm": {"entries": len(self.entry_lm), "bytes": self.entry_lm.nbytes()},
         }
 
     def _calibrator_stats(self) -> dict[str, Any]:

@@ -156,6 +156,13 @@ class MemoryBackend(Protocol):
         ``rollback``: an earlier, uncommitted try of the document is not stored twice."""
         ...
 
+    def entry_ids(
+        self, doc_id: int, positions: npt.ArrayLike, span: range | None
+    ) -> npt.NDArray[np.int64]:
+        """The ids ``put_document(doc_id, ..., positions, ...)`` gave its entries, in order
+        (``span``: what it returned)."""
+        ...
+
     def rollback(self, committed: Committed, document: int | None = None) -> int:
         """Take out entries of tries the database did not commit: everything past the
         committed end, or ``document``'s entries unless the database holds them (a try of

@@ -136,6 +136,12 @@ class FaissMemory(MemoryBackend):
                 self.append(keys, values, np.full(n, doc_id), positions, np.full(n, day))
             return range(first, len(self.datastore))
 
+    def entry_ids(
+        self, doc_id: int, positions: npt.ArrayLike, span: range | None
+    ) -> npt.NDArray[np.int64]:
+        assert span is not None and len(span) == len(np.asarray(positions)), (span, doc_id)
+        return np.arange(span.start, span.stop, dtype=np.int64)
+
     def truncate(self, n: int) -> None:
         """Drop the entries with ids >= ``n`` (tests and benchmarks reset a memory)."""
         with self.datastore.exclusive():

@@ -100,6 +100,12 @@ class MilvusMemory(MilvusIndexed, MemoryBackend):
             self._delete_by_document(doc_id)
         return None
 
+    def entry_ids(
+        self, doc_id: int, positions: npt.ArrayLike, span: range | None
+    ) -> npt.NDArray[np.int64]:
+        pos = np.asarray(positions, np.int64)
+        return entry_ids(np.full(len(pos), doc_id, np.int64), pos)
+
     @mapped
     def _delete_by_document(self, doc_id: int) -> int:
         return self._delete_expr(f"doc_id == {int(doc_id)}")

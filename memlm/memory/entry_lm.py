@@ -1,0 +1,101 @@
+"""log p_LM of each stored entry's value, by entry id: what the spread budget ranks a day's
+entries by (the best predicted by the LM go first) and what makes the consolidation's
+re-test exact (``memlm.memory.consolidation``).
+
+The encoder computes log p_LM(x_t) of every token anyway (MoNIM decides with it), so
+keeping it costs a merge into two sorted arrays per stored document, no model work, and
+10 B an entry (int64 id, float16 log-probability). Where an entry's id is used again (a
+rolled back document's ids on faiss), the new entry's value replaces the old one.
+
+The values live in the memory's root (``entry_lm.npz``), saved at every build beside the
+usage counts (temp + fsync + ``os.replace``): a crash loses the values added since the
+last build, and those entries are then unknown (NaN), which the budget keeps last and the
+re-test never retires. A build that retired entries prunes the values of every entry
+no longer live (``prune``, one read of the live ids); a forgotten document's values
+linger until then, and no search ever reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+ENTRY_LM_FILE = "entry_lm.npz"
+
+
+class EntryLM:
+    """Per-entry log p_LM(value), by entry id (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.ids = np.empty(0, np.int64)  # sorted, unique
+        self.lp = np.empty(0, np.float16)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, ids: npt.ArrayLike, lp: npt.ArrayLike) -> None:
+        """Record the entries just stored; an id already known takes the new value."""
+        new_ids = np.asarray(ids, np.int64).reshape(-1)
+        new_lp = np.asarray(lp, np.float16).reshape(-1)
+        if new_ids.shape != new_lp.shape:
+            raise ValueError(f"{new_ids.size} ids and {new_lp.size} log-probabilities")
+        if not len(new_ids):
+            return
+        with self._lock:
+            ids = np.concatenate([new_ids, self.ids])  # the new first: unique keeps them
+            lp = np.concatenate([new_lp, self.lp])
+            self.ids, first = np.unique(ids, return_index=True)
+            self.lp = lp[first]
+
+    def of(self, ids: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """log p_LM of each id's value; NaN where it is not known."""
+        want = np.asarray(ids, np.int64)
+        with self._lock:
+            known, lp = self.ids, self.lp
+        out = np.full(want.shape, np.nan)
+        if not len(known):
+            return out
+        at = np.minimum(np.searchsorted(known, want), len(known) - 1)
+        hit = known[at] == want
+        out[hit] = lp[at[hit]]
+        return out
+
+    def prune(self, live: npt.ArrayLike) -> int:
+        """Forget the values of entries not in ``live`` (sorted ids); returns how many."""
+        keep_ids = np.asarray(live, np.int64)
+        with self._lock:
+            keep = np.isin(self.ids, keep_ids, assume_unique=True)
+            gone = int((~keep).sum())
+            self.ids, self.lp = self.ids[keep], self.lp[keep]
+        return gone
+
+    def nbytes(self) -> int:
+        return int(self.ids.nbytes + self.lp.nbytes)
+
+    def save(self, root: Path) -> None:
+        """Write the values under ``root`` durably (temp + fsync + replace)."""
+        with self._lock:
+            ids, lp = self.ids, self.lp
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / ENTRY_LM_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=ids, lp=lp)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, root: Path) -> EntryLM:
+        """The values saved under ``root`` (none before the first save)."""
+        out = cls()
+        path = root / ENTRY_LM_FILE
+        if path.exists():
+            with np.load(path) as z:
+                out.ids, out.lp = z["ids"].astype(np.int64), z["lp"].astype(np.float16)
+        return out
