@@ -2,6 +2,7 @@
 the re-test of ``--sample`` entries and a budget's retirement, against the build.
 
     python benchmarks/bench_consolidation.py --entries 100000 --sample 4096 --threads 1
+    python benchmarks/bench_consolidation.py --entries 1000000 --spread-only
 
 Keys: 1,000 Gaussian clusters in 576 dimensions (as bench_index.py), each cluster's
 entries sharing one of 5 values, so that some entries are redundant.
@@ -19,10 +20,43 @@ import numpy as np
 
 from memlm.knnlm import KnnParams
 from memlm.memory.consolidation import ConsolidationConfig, consolidate
+from memlm.memory.entry_lm import EntryLM
 from memlm.memory.faiss_backend import FaissMemory
 from memlm.memory.usage import Usage
 
 DIM = 576
+
+
+def spread_night(entries: int, days: int) -> None:
+    """One spread-budget night on a faiss memory of ``entries`` over ``days`` days: retire
+    one day's worth (what a night over budget retires) with p_LM known for every entry."""
+    rng = np.random.default_rng(0)
+    per_day = entries // days
+    lm = EntryLM()
+    with tempfile.TemporaryDirectory() as tmp:
+        mem = FaissMemory.open(Path(tmp), DIM)
+        t0 = time.perf_counter()
+        for d in range(days):
+            n = per_day if d < days - 1 else entries - per_day * (days - 1)
+            keys = rng.standard_normal((n, DIM)).astype(np.float16)
+            span = mem.put_document(d, keys, rng.integers(0, 49152, n), np.arange(n), 19000 + d)
+            lm.add(mem.entry_ids(d, np.arange(n), span), -rng.exponential(2.0, n))
+        t_fill = time.perf_counter() - t0
+        cfg = ConsolidationConfig(budget=entries - per_day, criterion="spread")
+        t0 = time.perf_counter()
+        ids, _ = mem.live_days()
+        t_read = time.perf_counter() - t0
+        rep = consolidate(mem, cfg, KnnParams(), Usage(), lm_logprob=lm.of)
+        t0 = time.perf_counter()
+        lm.prune(mem.live_days()[0])
+        t_prune = time.perf_counter() - t0
+        print(f"entries {entries:,} over {days} days (fill {t_fill:.1f} s, no index)")
+        print(
+            f"spread budget night: {rep.retired['budget']:,} retired in {rep.seconds:.2f} s "
+            f"(of which reading every live id and day: {t_read:.2f} s); "
+            f"p_LM store {lm.nbytes() / 1e6:.1f} MB, pruned in {t_prune:.2f} s"
+        )
+        mem.close()
 
 
 def main() -> None:
@@ -30,8 +64,17 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--sample", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--spread-only",
+        action="store_true",
+        help="only the spread budget (no index: it searches nothing), entries over --days",
+    )
+    ap.add_argument("--days", type=int, default=57, help="--spread-only: days the entries span")
     a = ap.parse_args()
     faiss.omp_set_num_threads(a.threads)
+    if a.spread_only:
+        spread_night(a.entries, a.days)
+        return
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((1000, DIM)).astype(np.float32) * 2
     cluster = rng.integers(0, 1000, a.entries)

@@ -109,18 +109,19 @@ class Settings(BaseSettings):
 
     # --- consolidation and the memory budget (issue 35; memlm.memory.consolidation) ---------
     # Stored entries re-tested at each build against today's memory (a window rotating
-    # through the memory); 0: none. The service keeps no p_LM per entry, so the test
-    # retires only entries their neighbours alone make redundant (docs/memory.md).
+    # through the memory); 0: none. The test uses the log p_LM the engine keeps for each
+    # entry it stored (docs/memory.md).
     consolidate_sample: int = Field(default=0, ge=0)
     # Live entries the build keeps at most (None: no budget); over it, the build retires
-    # what costs least by MEMLM_BUDGET_CRITERION. age (the oldest first) because it was
-    # measured best: on slice20 at 44% of FullMem's entries, FullMem under an age budget
-    # is +0.03% ppl from FullMem and beats usage/redundancy (+0.31%) in 98% of paired
-    # resamples, random in 67% (docs/results/slice20-consolidate; 5 days, 6 test
-    # documents, and no month-end forgetting measured). usage: fewest hits of the
-    # entry's block, then most redundant; redundancy; random.
+    # what costs least by MEMLM_BUDGET_CRITERION. spread (the default, measured best on
+    # slice14d, docs/results/slice14d-spread): the newest MEMLM_BUDGET_RECENT_SHARE of the
+    # budget stays whole, every older day is thinned to the same size, the entries the LM
+    # predicts best first. At 45% of FullMem's entries FullMem under it scores FullMem's
+    # test ppl (27.73 vs 27.74) and the earlier month still improves (-0.7%), where the
+    # age budget (the oldest first) loses 0.18% and forgets (+2.7%). Also: usage (fewest
+    # hits of the entry's block, then most redundant), redundancy, random.
     memory_budget_entries: int | None = Field(default=None, ge=0)
-    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "age"
+    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "spread"
     # spread: the share of the budget that keeps the newest entries whole; the older days
     # are thinned to the same size each (memlm.memory.consolidation.spread)
     budget_recent_share: float = Field(default=0.25, ge=0.0, le=1.0)

@@ -47,7 +47,7 @@ def eval_command(
     ),
     budget: int | None = typer.Option(None, help="+budget policies: entries kept after a build"),
     budget_criterion: str = typer.Option(
-        "age",
+        "spread",
         help="what a +budget policy retires first: age, usage, redundancy, random, or spread "
         "(every older day thinned to the same size, the newest --budget-recent kept whole)",
     ),

@@ -87,7 +87,7 @@ class EvalConfig:
     # spread keeps the newest ``budget_recent`` share of the budget whole)
     consolidate_sample: int = 2048
     budget: int | None = None
-    budget_criterion: str = "age"
+    budget_criterion: str = "spread"
     budget_recent: float = 0.25
     spread_rank: str = "lm"  # spread: what goes first within a day (SPREAD_RANKS)
     # where each policy's memory lives: None (or "faiss") the faiss files of its work

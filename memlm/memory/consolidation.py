@@ -77,7 +77,8 @@ class ConsolidationConfig:
     sample: int = 0
     delta: float = DEFAULT_DELTA  # MoNIM's threshold, the one the policy stores with
     budget: int | None = None  # live entries kept after a build; None: no budget
-    criterion: Criterion = "age"  # measured best on slice20 (Settings.budget_criterion)
+    # measured best on slice14d (docs/results/slice14d-spread; Settings.budget_criterion)
+    criterion: Criterion = "spread"
     seed: int = 0  # the random criterion's
     # spread: the share of the budget that keeps the newest entries whole; the rest is
     # shared evenly by the older days (``spread``)
@@ -104,7 +105,7 @@ class ConsolidationReport:
     cursor: tuple[int, int] = (0, 0)  # (from, to)
     wrapped: bool = False  # the window reached the end of the memory
     budget: int | None = None
-    criterion: str = "age"
+    criterion: str = "spread"
     recent: float | None = None  # spread: the share of the budget kept for the newest
     live_before: int = 0
     live_after: int = 0
