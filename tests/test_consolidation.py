@@ -331,3 +331,30 @@ def test_each_within_day_rank_of_spread(within: str) -> None:
         assert sorted(first) == list(range(6))
     lm_cfg = ConsolidationConfig(budget=1, criterion="spread", within="lm")
     assert (_within_day(lm_cfg, ids, usage, None) == 0).all()  # no p_LM: the oldest
+
+
+def test_a_forget_racing_a_spread_budget_counts_nothing_twice(memory: MemoryBackend) -> None:
+    """Document 1 is forgotten after the spread budget read the live entries, before it
+    retires: its entries stay gone, the budget's count is of what it really retired, and
+    the memory ends at or under the budget."""
+    docs = _fill(memory)
+    live_days = memory.live_days
+
+    def read_then_forget():  # type: ignore[no-untyped-def]
+        out = live_days()
+        with memory.writer():
+            memory.delete_document(1)
+        return out
+
+    memory.live_days = read_then_forget  # type: ignore[method-assign]
+    cfg = ConsolidationConfig(budget=10, criterion="spread", recent=0.0, within="oldest")
+    rep = consolidate(memory, cfg, PARAMS, Usage())
+    del memory.live_days
+    # the 6 oldest (document 1's 4 and 2 of document 2) were chosen; 4 were already gone
+    assert rep.retired["budget"] == 2 and rep.live_after == memory.count() == 10
+    memory.compact()
+    memory.build()
+    memory.reload()
+    _, ids, _ = memory.search(docs[1][0], 4)
+    assert 1 not in set(memory.provenance(ids[ids >= 0]).documents.tolist())
+    assert memory.count() == 10
