@@ -7,23 +7,22 @@ parity"). The two differ only in what ``--index-kind auto`` builds (``auto_param
 and in what a fresh start and a discarded store remove. A resumed run's memory is cut
 back to its checkpoint by the protocol (``restore``); the LM's log-probability of each
 stored entry, which consolidation asks for, is kept beside it by entry id
-(``EntryLogprobs``).
+(``entry_logprobs``, ``memlm.memory.entry_lm``).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from memlm.evaluate.checkpoint import RunState
 from memlm.index import IndexParams
 from memlm.memory import MemoryBackend, MilvusURL, open_faiss, open_milvus, parse_memory_url
+from memlm.memory.entry_lm import EntryLM
 
 
 class RunMemory(Protocol):
@@ -175,29 +174,10 @@ def restore(memory: MemoryBackend, state: RunState) -> None:
     memory.refresh()
 
 
-class EntryLogprobs:
-    """log p_LM of each stored entry's value, by entry id (ascending, as appends give
-    them), kept beside the memory for consolidation (``lm_logprob.npy``; ``lm_ids.npy``
-    where the ids are not 0, 1, 2, ...)."""
-
-    def __init__(self, workdir: Path, end: int) -> None:
-        """The entries of the checkpoint (ids below ``end``)."""
-        self.path, self.ids_path = workdir / "lm_logprob.npy", workdir / "lm_ids.npy"
-        lp = np.load(self.path) if self.path.exists() else np.empty(0, np.float32)
-        ids = np.load(self.ids_path) if self.ids_path.exists() else np.arange(len(lp))
-        keep = ids < end
-        self.ids: list[int] = ids[keep].tolist()
-        self.lp: list[float] = lp[keep].tolist()
-
-    def extend(self, ids: np.ndarray, lp: np.ndarray) -> None:
-        self.ids.extend(ids.tolist())
-        self.lp.extend(lp.astype(np.float32).tolist())
-
-    def lookup(self) -> Callable[[np.ndarray], np.ndarray]:
-        """The log-probs of given entry ids (each one stored); saves them first."""
-        ids = np.asarray(self.ids, np.int64)
-        lp = np.asarray(self.lp, np.float64)
-        np.save(self.path, lp.astype(np.float32))
-        if len(ids) and ids[-1] != len(ids) - 1:  # not datastore positions: keep the ids
-            np.save(self.ids_path, ids)
-        return lambda want: lp[np.searchsorted(ids, want)]
+def entry_logprobs(workdir: Path, end: int) -> EntryLM:
+    """log p_LM of each stored entry's value, by entry id, kept beside the run's memory
+    for consolidation (``entry_lm.npz``, as the service keeps it): the entries of the
+    checkpoint (ids below ``end``)."""
+    out = EntryLM.load(workdir)
+    out.keep_below(end)
+    return out

@@ -29,7 +29,7 @@ from memlm.evaluate import checkpoint
 from memlm.evaluate.cache import TokenCache
 from memlm.evaluate.checkpoint import RunState, SimulatedInterruption
 from memlm.evaluate.forgetting import Rescore
-from memlm.evaluate.memories import FAISS, EntryLogprobs, RunMemory, restore
+from memlm.evaluate.memories import FAISS, RunMemory, entry_logprobs, restore
 from memlm.evaluate.plan import DayPlan, day_number
 from memlm.evaluate.records import DayStats, EvalTokens, PolicyRun, extend
 from memlm.evaluate.served import EveningBuilds, with_seen_view
@@ -235,7 +235,7 @@ def _run_days(
     end = state.datastore_len  # past the last entry id stored (faiss: the datastore length)
     lexical = LexicalStats.load(workdir / "lexical.npz", cache.encoder.vocab_size)
     usage = Usage.load(workdir)
-    lm_lp = EntryLogprobs(workdir, end)
+    lm_lp = entry_logprobs(workdir, end)
     follow: dict[tuple[str, int], PointerSearch] = {}
     evenings = None
     if ingest_served and policy is not None and policy.needs_augmented:
@@ -338,14 +338,13 @@ def _run_days(
                     np.full(int(mask.sum()), dnum, np.int32),
                 )
                 end = max(end, int(ids.max()) + 1)
-                lm_lp.extend(ids, o.target_logprob[mask])
+                lm_lp.add(ids, o.target_logprob[mask])
             day_stored += int(mask.sum())
         t_build, w_build = time.perf_counter(), cache.wait_seconds
         if consolidation is not None and policy is not None and end > 0:
-            assert len(lm_lp.ids) == state.stored + day_stored, (len(lm_lp.ids), state.stored)
-            rep = consolidate(
-                mem, consolidation, knn, usage, state=workdir, lm_logprob=lm_lp.lookup()
-            )
+            assert len(lm_lp) == state.stored + day_stored, (len(lm_lp), state.stored)
+            lm_lp.save(workdir)
+            rep = consolidate(mem, consolidation, knn, usage, state=workdir, lm_logprob=lm_lp.of)
             night = rep.to_json() | {"usage": usage.totals()}
             usage.save(workdir)
         if policy is not None and end > 0:

@@ -31,32 +31,44 @@ class EntryLM:
     """Per-entry log p_LM(value), by entry id (thread-safe)."""
 
     def __init__(self) -> None:
-        self.ids = np.empty(0, np.int64)  # sorted, unique
-        self.lp = np.empty(0, np.float16)
+        self._ids = np.empty(0, np.int64)  # sorted, unique (merged)
+        self._lp = np.empty(0, np.float16)
+        self._pending: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float16]]] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self.ids)
+        with self._lock:
+            self._merge()
+            return len(self._ids)
+
+    def _merge(self) -> None:
+        """Fold the documents added since the last read in (the caller holds the lock):
+        adding stays O(document), a read pays one sort of what was added."""
+        if not self._pending:
+            return
+        parts = self._pending[::-1]  # the newest first: unique keeps the first seen
+        ids = np.concatenate([p[0] for p in parts] + [self._ids])
+        lp = np.concatenate([p[1] for p in parts] + [self._lp])
+        self._ids, first = np.unique(ids, return_index=True)
+        self._lp = lp[first]
+        self._pending = []
 
     def add(self, ids: npt.ArrayLike, lp: npt.ArrayLike) -> None:
         """Record the entries just stored; an id already known takes the new value."""
-        new_ids = np.asarray(ids, np.int64).reshape(-1)
-        new_lp = np.asarray(lp, np.float16).reshape(-1)
+        new_ids = np.array(ids, np.int64).reshape(-1)
+        new_lp = np.array(lp, np.float16).reshape(-1)
         if new_ids.shape != new_lp.shape:
             raise ValueError(f"{new_ids.size} ids and {new_lp.size} log-probabilities")
-        if not len(new_ids):
-            return
-        with self._lock:
-            ids = np.concatenate([new_ids, self.ids])  # the new first: unique keeps them
-            lp = np.concatenate([new_lp, self.lp])
-            self.ids, first = np.unique(ids, return_index=True)
-            self.lp = lp[first]
+        if len(new_ids):
+            with self._lock:
+                self._pending.append((new_ids, new_lp))
 
     def of(self, ids: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """log p_LM of each id's value; NaN where it is not known."""
         want = np.asarray(ids, np.int64)
         with self._lock:
-            known, lp = self.ids, self.lp
+            self._merge()
+            known, lp = self._ids, self._lp
         out = np.full(want.shape, np.nan)
         if not len(known):
             return out
@@ -65,22 +77,33 @@ class EntryLM:
         out[hit] = lp[at[hit]]
         return out
 
+    def keep_below(self, end: int) -> None:
+        """Forget the values of ids >= ``end`` (a run cut back to its checkpoint)."""
+        with self._lock:
+            self._merge()
+            keep = self._ids < end
+            self._ids, self._lp = self._ids[keep], self._lp[keep]
+
     def prune(self, live: npt.ArrayLike) -> int:
         """Forget the values of entries not in ``live`` (sorted ids); returns how many."""
         keep_ids = np.asarray(live, np.int64)
         with self._lock:
-            keep = np.isin(self.ids, keep_ids, assume_unique=True)
+            self._merge()
+            keep = np.isin(self._ids, keep_ids, assume_unique=True)
             gone = int((~keep).sum())
-            self.ids, self.lp = self.ids[keep], self.lp[keep]
+            self._ids, self._lp = self._ids[keep], self._lp[keep]
         return gone
 
     def nbytes(self) -> int:
-        return int(self.ids.nbytes + self.lp.nbytes)
+        with self._lock:
+            self._merge()
+            return int(self._ids.nbytes + self._lp.nbytes)
 
     def save(self, root: Path) -> None:
         """Write the values under ``root`` durably (temp + fsync + replace)."""
         with self._lock:
-            ids, lp = self.ids, self.lp
+            self._merge()
+            ids, lp = self._ids, self._lp
         root.mkdir(parents=True, exist_ok=True)
         path = root / ENTRY_LM_FILE
         tmp = path.with_name(path.name + ".tmp")
@@ -97,5 +120,5 @@ class EntryLM:
         path = root / ENTRY_LM_FILE
         if path.exists():
             with np.load(path) as z:
-                out.ids, out.lp = z["ids"].astype(np.int64), z["lp"].astype(np.float16)
+                out._ids, out._lp = z["ids"].astype(np.int64), z["lp"].astype(np.float16)
         return out
