@@ -19,15 +19,15 @@ forget racing consolidation: retiring an entry of a forgotten document counts 0 
 brings nothing back (both are deletions).
 
 The test is ``memlm.knnlm.consolidate``; what the budget retires first is ``criterion``:
-``age`` (oldest ids first: the default, because it measured best on slice20,
-docs/results/slice20-consolidate), ``usage`` (fewest hits of its block,
-``memlm.memory.usage``, then most redundant), ``redundancy`` (highest leave-one-out
-log-probability today), ``random``, or ``spread``: the newest ``recent`` share of the
-budget stays whole and every older day is thinned to the same size (:func:`spread`), the
-entries the LM predicts best going first where p_LM is known (the harness), else the
-oldest (the service keeps no p_LM). Spread retires by day, not by age, so no month is
-forgotten before the others; it scores nothing: its cost is one read of every live
-entry's id and day (``MemoryBackend.live_days``), docs/results/slice14d-spread.
+``spread`` (the default, measured best: docs/results/slice14d-spread): the newest
+``recent`` share of the budget stays whole and every older day is thinned to the same
+size (:func:`spread`), the entries the LM predicts best going first within a day
+(``within``; p_LM per entry: ``memlm.memory.entry_lm``; where it is unknown, the
+oldest). Spread retires by day, not by age, so no month is forgotten before the others;
+it scores nothing: its cost is one read of every live entry's id and day
+(``MemoryBackend.live_days``). Also ``age`` (the oldest ids first; it forgets the earlier
+months), ``usage`` (fewest hits of its block, ``memlm.memory.usage``, then most
+redundant), ``redundancy`` (highest leave-one-out log-probability today), ``random``.
 """
 
 from __future__ import annotations
@@ -190,15 +190,15 @@ def _within_day(
     lm_logprob: Callable[[npt.NDArray[np.int64]], np.ndarray] | None,
 ) -> np.ndarray:
     """The spread budget's order within a day: the lowest goes first (ties: the oldest)."""
-    lm = None if lm_logprob is None else lm_logprob(ids)
     if cfg.within == "random":
         return np.random.default_rng([cfg.seed, len(ids)]).random(len(ids))
+    lm = None if lm_logprob is None or cfg.within == "oldest" else lm_logprob(ids)
     if cfg.within == "usage":
         hits = usage.of(ids)[0].astype(np.float64)
         return hits if lm is None else hits - 1e-3 * np.exp(lm)
     if cfg.within == "lm" and lm is not None:
         return -np.asarray(lm, np.float64)
-    return np.zeros(len(ids))  # oldest, or lm without p_LM
+    return np.zeros(len(ids))  # oldest, or lm without p_LM (NaN ranks last: kept)
 
 
 def _pool(
@@ -261,7 +261,7 @@ def spread(
     old = max(0, len(ids) - recent)
     if excess >= old:  # the older days cannot give enough: the newest go by age
         return ids[: min(excess, len(ids))]
-    udays, inv, counts = np.unique(days[:old], return_inverse=True, return_counts=True)
+    _, inv, counts = np.unique(days[:old], return_inverse=True, return_counts=True)
     give = counts - water_fill(counts, old - excess)
     order = np.lexsort((ids[:old], rank[:old], inv))  # by day, then rank, then id
     start = np.concatenate([[0], np.cumsum(counts)[:-1]])
