@@ -214,6 +214,7 @@ def test_charts_show_the_stream_and_follow_it(
         knn_lambda=0.5,
         calibrator_sample=1.0,
         dashboard_refresh_seconds=1,
+        memory_budget_entries=1_000_000,  # says how it retires; never binds here
     )
     engine = open_engine(settings, encoder=tiny)
     app = create_app(settings, engine=engine, run_worker=False, poll=False)
@@ -311,6 +312,9 @@ def test_charts_show_the_stream_and_follow_it(
             assert f"fewer than the {settings.calibrator_min_tokens} training needs" in row
             assert page.drawn("chart-builds")
             assert "the constant" in page.text("#calibrator")
+            budget = "1,000,000 entries, retiring by spread, the newest 25% whole"
+            assert budget in page.text("#calibrator")
+            assert "(budget 1,000,000, spread, the newest 25% whole)" in row
 
             # a new day arrives: the page redraws by itself (no reload)
             more = [
