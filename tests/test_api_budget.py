@@ -49,7 +49,7 @@ def test_the_build_keeps_the_budget_and_says_what_it_retired(
         assert build["status"] == "done" and build["entries"] == env.engine.memory.count()
         assert build["entries"] <= BUDGET and cons["budget"] == BUDGET
         assert cons["criterion"] == criterion and cons["examined"] == min(64, stored)
-        assert cons["recent"] == (0.25 if criterion == "spread" else None)
+        assert cons["recent"] == (0.0 if criterion == "spread" else None)
         retired = cons["retired"]["test"] + cons["retired"]["budget"]
         assert retired == stored - build["entries"] and cons["retired"]["budget"] > 0
         stats = c.get("/admin/stats", headers=ADMIN).json()

@@ -277,7 +277,7 @@ def test_a_spread_budget_reaches_the_consolidation(captured: list[Any], tmp_path
     result = CliRunner().invoke(app, [*args, "--budget-criterion", "spread"])
     assert result.exit_code == 0, result.output
     cons = consolidation_of("fullmem+budget", captured[0])
-    assert cons is not None and (cons.budget, cons.criterion, cons.recent) == (900, "spread", 0.25)
+    assert cons is not None and (cons.budget, cons.criterion, cons.recent) == (900, "spread", 0.0)
     result = CliRunner().invoke(
         app,
         [

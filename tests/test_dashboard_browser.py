@@ -312,9 +312,9 @@ def test_charts_show_the_stream_and_follow_it(
             assert f"fewer than the {settings.calibrator_min_tokens} training needs" in row
             assert page.drawn("chart-builds")
             assert "the constant" in page.text("#calibrator")
-            budget = "1,000,000 entries, retiring by spread, the newest 25% whole"
+            budget = "1,000,000 entries, retiring by spread, every day alike"
             assert budget in page.text("#calibrator")
-            assert "(budget 1,000,000, spread, the newest 25% whole)" in row
+            assert "(budget 1,000,000, spread, every day alike)" in row
 
             # a new day arrives: the page redraws by itself (no reload)
             more = [

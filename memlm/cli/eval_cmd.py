@@ -57,7 +57,7 @@ def eval_command(
         "usage (fewest hits of its block) or random",
     ),
     budget_recent: float = typer.Option(
-        0.25, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
+        0.0, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(

@@ -88,7 +88,7 @@ class EvalConfig:
     consolidate_sample: int = 2048
     budget: int | None = None
     budget_criterion: str = "spread"
-    budget_recent: float = 0.25
+    budget_recent: float = 0.0
     spread_rank: str = "lm"  # spread: what goes first within a day (SPREAD_RANKS)
     # where each policy's memory lives: None (or "faiss") the faiss files of its work
     # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own

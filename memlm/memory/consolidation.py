@@ -82,7 +82,7 @@ class ConsolidationConfig:
     seed: int = 0  # the random criterion's
     # spread: the share of the budget that keeps the newest entries whole; the rest is
     # shared evenly by the older days (``spread``)
-    recent: float = 0.25  # measured: docs/results/slice14d-spread
+    recent: float = 0.0  # measured: docs/results/slice14d-spread, stream57-spread
     within: SpreadRank = "lm"  # spread: what goes first within a day
 
     @property

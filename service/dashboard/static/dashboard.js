@@ -256,9 +256,11 @@
   }
 
   // what the budget retires first; spread keeps the newest share of the budget whole
+  // (none: every day thinned alike)
   function criterion(c) {
-    return c.criterion + (c.recent !== null && c.recent !== undefined
-      ? ", the newest " + Math.round(100 * c.recent) + "% whole" : "");
+    if (c.recent === null || c.recent === undefined) return c.criterion;
+    return c.criterion + (c.recent > 0 ? ", the newest " + Math.round(100 * c.recent) + "% whole"
+      : ", every day alike");
   }
 
   // what a build's consolidation retired: re-tested entries that would not be stored
