@@ -93,3 +93,27 @@ def test_knn_logprob_in_row_blocks_is_bit_identical_to_one_block(monkeypatch):
     monkeypatch.setattr(mixture, "_MATCH_ELEMENTS", 1)  # one row a block
     np.testing.assert_array_equal(mixture.knn_logprob(dist, ids, vals, tokens, temps), whole)
     assert mixture.knn_logprob(dist[:0], ids[:0], vals[:0], tokens[:0], 1.0).shape == (0, m)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_knn_logprob_summed_by_value_equals_the_comparison(seed, monkeypatch):
+    """Many candidates of many neighbours take the sorted path; it gives what the
+    candidate-by-neighbour comparison gives (padding, repeated values, absent tokens,
+    one temperature per row)."""
+    from memlm.knnlm import mixture
+
+    rng = np.random.default_rng(seed)
+    n, k, m = 7, 200, 50
+    dist = np.sort(rng.random((n, k)) * 10, axis=1)
+    vals = rng.integers(0, 30, (n, k))
+    ids = np.arange(n * k).reshape(n, k)
+    ids[:, -rng.integers(0, 20) or k :] = -1  # padding at the end of each row
+    vals[ids < 0] = -1
+    tokens = rng.integers(-1, 40, (n, m))
+    temps = rng.random(n) + 0.5
+    assert m * k > mixture._DENSE_MATCH
+    fast = mixture.knn_logprob(dist, ids, vals, tokens, temps)
+    monkeypatch.setattr(mixture, "_DENSE_MATCH", 1 << 40)  # the comparison
+    dense = mixture.knn_logprob(dist, ids, vals, tokens, temps)
+    np.testing.assert_allclose(fast, dense, rtol=1e-12, atol=0)
+    assert (np.isneginf(fast) == np.isneginf(dense)).all()

@@ -76,6 +76,27 @@ def neighbour_log_weights(
 # elements of the (rows, m, k) comparison knn_logprob builds at a time (~16M: about 150 MB
 # of temporaries); each row is computed alone, so the blocks change no bit of the result
 _MATCH_ELEMENTS = 1 << 24
+# Above this many (candidate, neighbour) pairs a token, p_kNN of every candidate comes
+# from the neighbours' weights summed per value (a sort, O(k log k) a token) instead of
+# comparing every candidate with every neighbour (O(m k)): MoNIM's k + 2 candidates at
+# k = 1,024 are a million comparisons a token. At k <= 64 (the service's) the comparison
+# stays, and with it every earlier number to the last bit.
+_DENSE_MATCH = 1 << 13
+
+
+def _summed_by_value(values: np.ndarray, w: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(n, m) sum of the weights ``w`` (n, k) of the neighbours whose value is
+    ``tokens[i, j]``: each row's weights summed per distinct value, then looked up."""
+    n, k = values.shape
+    span = int(max(values.max(initial=0), tokens.max(initial=0))) + 2  # values >= -1
+    keys = (np.arange(n, dtype=np.int64)[:, None] * span + (values + 1)).reshape(-1)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys, sorted_w = keys[order], w.reshape(-1)[order]
+    first = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+    uniq, sums = sorted_keys[first], np.add.reduceat(sorted_w, first)
+    want = np.arange(n, dtype=np.int64)[:, None] * span + (tokens.astype(np.int64) + 1)
+    at = np.minimum(np.searchsorted(uniq, want), len(uniq) - 1)
+    return np.where(uniq[at] == want, sums[at], 0.0).astype(w.dtype)
 
 
 def knn_logprob(
@@ -90,6 +111,9 @@ def knn_logprob(
     lw = neighbour_log_weights(distances, ids, temperature)  # (n, k)
     w = np.exp(lw)  # zero for padding
     n, m = tokens.shape
+    if m * w.shape[1] > _DENSE_MATCH and n:  # many candidates of many neighbours
+        with np.errstate(divide="ignore"):
+            return np.log(_summed_by_value(values, w, tokens))
     # rows in blocks: the (rows, m, k) comparison is n x (k + 2) x k for MoNIM's
     # candidates, 6.7 GB for one 800-token document at k = 1,024 in one piece
     step = max(1, _MATCH_ELEMENTS // max(1, m * w.shape[1]))
