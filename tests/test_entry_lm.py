@@ -63,3 +63,16 @@ def test_concurrent_writers_and_readers_match_the_oracle() -> None:
     ids = np.array(sorted(oracle))
     np.testing.assert_array_equal(e.of(ids), [oracle[int(i)] for i in ids])
     assert len(e) == len(oracle)
+
+
+def test_documents_appended_in_order_and_an_id_used_again() -> None:
+    """Ids after everything known (documents stored one after another) are appended; an
+    id used again later still takes its new value."""
+    e = EntryLM()
+    e.add([0, 1, 2], [-1.0, -2.0, -3.0])
+    e.add([3, 4], [-4.0, -5.0])
+    np.testing.assert_array_equal(e.of([0, 1, 2, 3, 4]), [-1.0, -2.0, -3.0, -4.0, -5.0])
+    e.add([5], [-6.0])
+    e.add([1, 6], [-0.5, -7.0])  # 1 used again (a rolled back document's id)
+    np.testing.assert_array_equal(e.of([1, 5, 6]), [-0.5, -6.0, -7.0])
+    assert len(e) == 7

@@ -17,12 +17,13 @@ linger until then, and no search ever reads them.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from memlm.datastore.durable import atomic_savez
 
 ENTRY_LM_FILE = "entry_lm.npz"
 
@@ -45,6 +46,14 @@ class EntryLM:
         """Fold the documents added since the last read in (the caller holds the lock):
         adding stays O(document), a read pays one sort of what was added."""
         if not self._pending:
+            return
+        new = np.concatenate([p[0] for p in self._pending])
+        if (np.diff(new) > 0).all() and (not len(self._ids) or new[0] > self._ids[-1]):
+            # appended after everything known, in order (documents stored one after
+            # another): nothing to sort
+            self._ids = np.concatenate([self._ids, new])
+            self._lp = np.concatenate([self._lp] + [p[1] for p in self._pending])
+            self._pending = []
             return
         parts = self._pending[::-1]  # the newest first: unique keeps the first seen
         ids = np.concatenate([p[0] for p in parts] + [self._ids])
@@ -106,12 +115,7 @@ class EntryLM:
             ids, lp = self._ids, self._lp
         root.mkdir(parents=True, exist_ok=True)
         path = root / ENTRY_LM_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, ids=ids, lp=lp)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_savez(path, path.with_name(path.name + ".tmp"), {"ids": ids, "lp": lp})
 
     @classmethod
     def load(cls, root: Path) -> EntryLM:

@@ -17,12 +17,13 @@ statistics (``Engine.store_document``): a retried or reprocessed document counts
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from memlm.datastore.durable import atomic_savez
 
 USAGE_FILE = "usage.npz"
 # 64 entries a block: one document's stored tokens span ~5-15 blocks, and the state is
@@ -91,18 +92,14 @@ class Usage:
 
     def save(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / (USAGE_FILE + ".tmp")
-        with self._lock, open(tmp, "wb") as f:
-            np.savez(
-                f,
-                block=np.int64(self.block),
-                blocks=self.blocks,
-                retrievals=self.retrievals,
-                hits=self.hits,
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / USAGE_FILE)
+        with self._lock:  # add edits the counts in place: write them under the lock
+            arrays = {
+                "block": np.int64(self.block),
+                "blocks": self.blocks,
+                "retrievals": self.retrievals,
+                "hits": self.hits,
+            }
+            atomic_savez(root / USAGE_FILE, root / (USAGE_FILE + ".tmp"), arrays)
 
     @classmethod
     def load(cls, root: Path, block: int = DEFAULT_BLOCK) -> Usage:
