@@ -408,3 +408,35 @@ def test_forgotten_text_leaves_the_sqlite_files(
             content_hash(secret),
         )
         assert DocumentRepository(s).forgetting_ids() == []
+
+
+@pytest.mark.postgres
+def test_a_connection_checked_in_after_dispose_is_closed_not_left_to_the_collector(
+    pg_url: str,
+) -> None:
+    """``Engine.dispose()`` while a thread still holds a connection (the API's shutdown
+    abandoning a busy worker, a poll still running): that connection is closed when it
+    comes back. SQLAlchemy's stock pool would keep it open in the replaced pool until the
+    garbage collector deleted it, and psycopg's ResourceWarning would then fail whichever
+    test happened to be running (CI, stop 42)."""
+    import gc
+    import warnings
+
+    from memlm.db.session import make_engine
+
+    engine = make_engine(pg_url)
+    held = engine.connect()
+    assert held.execute(text("select 1")).scalar() == 1
+    raw = held.connection.dbapi_connection
+    engine.dispose()
+    assert raw is not None and not raw.closed  # in use: dispose leaves it to its holder
+    held.close()
+    assert raw.closed
+    with engine.connect() as again:  # the engine itself goes on with a fresh pool
+        assert again.execute(text("select 2")).scalar() == 2
+    engine.dispose()
+    del held, raw
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert not [w for w in caught if "still open" in str(w.message)]

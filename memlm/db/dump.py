@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine, Table, create_engine, event, func, in
 
 from memlm.db.migrate import current_revision, head_revision
 from memlm.db.models import Base
+from memlm.db.session import ClosingQueuePool
 
 # Rows per INSERT batch and per fetch while streaming a table.
 _BATCH = 2000
@@ -58,6 +59,7 @@ def snapshot_engine(url: str) -> Engine:
     return create_engine(
         url,
         pool_pre_ping=True,
+        poolclass=ClosingQueuePool,
         isolation_level="REPEATABLE READ",
         execution_options={"postgresql_readonly": True},
     )

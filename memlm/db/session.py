@@ -6,6 +6,31 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
+
+
+class ClosingQueuePool(QueuePool):
+    """SQLAlchemy's ``QueuePool``, except that a connection checked in after the pool was
+    disposed is closed at once.
+
+    ``Engine.dispose()`` closes the idle connections and swaps in a fresh pool; one still
+    checked out (a thread the API abandoned at shutdown, a poll still running) goes back
+    to the old pool's queue, where only the garbage collector would find it, and psycopg
+    then warns that a connection was deleted while still open, at some unrelated later
+    moment. Closing it on its return leaves nothing to that collector.
+    """
+
+    _disposed = False
+
+    def dispose(self) -> None:
+        self._disposed = True
+        super().dispose()
+
+    def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
+        if self._disposed:
+            record.close()
+            return
+        super()._do_return_conn(record)
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
@@ -36,7 +61,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    return create_engine(url, pool_pre_ping=True, poolclass=ClosingQueuePool, **kwargs)
 
 
 def purge_wal(engine: Engine) -> bool:
