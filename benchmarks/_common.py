@@ -36,7 +36,9 @@ The API, all of it:
 - :func:`memorise`: queue documents and let an in-process ingest worker memorise them
   and build the index (what a served engine holds before it is timed); :func:`rebuild`:
   one more build;
-- :func:`serving`: ``with serving(app) as base_url:`` a real uvicorn in a thread.
+- :func:`serving`: ``with serving(app) as base_url:`` a real uvicorn in a thread;
+- :func:`hf_generate`: greedy tokens of the bare LM by Hugging Face ``generate`` (the
+  baseline /generate's rows are compared with).
 """
 
 from __future__ import annotations
@@ -330,3 +332,22 @@ def serving(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def hf_generate(encoder: Any, ids: Sequence[int], n: int) -> list[int]:
+    """Exactly ``n`` greedy new tokens of ``encoder``'s model after ``ids`` by Hugging Face
+    ``generate`` (attention cache on, no end-of-text stop): the bare LM's generation, the
+    baseline of the ``/generate`` rows."""
+    import torch
+
+    x = torch.tensor([list(ids)])
+    with torch.inference_mode():
+        out = encoder.model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=encoder.tokenizer.eos_token_id,
+        )
+    return [int(t) for t in out[0, x.shape[1] :]]

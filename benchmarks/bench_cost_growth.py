@@ -14,7 +14,13 @@ For each N (``--sizes``), on the faiss backend with the index a nightly build ma
   ``1 / (1 / encoder + 1 / memory)``;
 - **``/predict``**: ``bench_scale.predict_latency`` on the same served engine (HTTP via
   uvicorn, ``engine.predict`` and the bare forward + head, 128-token contexts,
-  interleaved): p50 / p99 and the ratio to the bare forward.
+  interleaved): p50 / p99 and the ratio to the bare forward;
+- **``/generate``**: the generation loop (``memlm.engine.generation.generate``: per new
+  token one one-token forward with the attention cache, one search of the N entries at the
+  served k and the interpolation, greedy) against the bare model's Hugging Face
+  ``generate`` on the same ``--context``-token contexts, ``--generate-tokens`` new tokens
+  each, the two interleaved round by round: tokens/s of each and the median of the
+  per-round ratios (``--generate-rounds 0`` skips it).
 
 /predict runs first, so the contexts search the N built entries (the ingest then adds
 its own, a few thousand, to the fresh part).
@@ -26,8 +32,10 @@ its own, a few thousand, to the fresh part).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +47,7 @@ from memlm.datastore import Datastore
 from memlm.index import build_index
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import load_average, markdown_table  # noqa: E402
+from _common import hf_generate, interleaved, load_average, markdown_table  # noqa: E402
 from bench_scale import Stretcher, open_served, predict_latency  # noqa: E402
 
 
@@ -86,6 +94,45 @@ def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any
     }
 
 
+def generate_rates(engine: Any, st: Stretcher, args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens/s of the ``/generate`` loop (memory on) and of the bare model's HF
+    ``generate``, interleaved: one round = one context, each path once."""
+    from memlm.engine.generation import GenerateConfig, generate
+
+    enc = engine.encoder
+    n = args.generate_tokens
+    contexts = [ids[: args.context] for ids in map(enc.tokenize, st.next_texts)]
+    contexts = [c for c in contexts if len(c) == args.context][: args.generate_rounds + 1]
+    cfg = GenerateConfig(max_tokens=n, stop_at_eos=False)
+    rounds = itertools.count()
+    current: list[list[int]] = []
+    lams: list[float] = []
+
+    def next_round() -> None:
+        current[:] = [contexts[next(rounds) % len(contexts)]]
+
+    def ours() -> None:
+        _, toks = generate(engine, current[0], cfg)
+        assert len(toks) == n
+        lams.extend(t.lam for t in toks)
+
+    times = interleaved(
+        {"bare": lambda: hf_generate(enc, current[0], n), "memlm": ours},
+        args.generate_rounds,
+        warmup=1,
+        before_round=next_round,
+    )
+    ratios = sorted(b / m for b, m in zip(times["bare"], times["memlm"], strict=True))
+    timed = lams[n:]  # the warm-up round's are not counted
+    return {
+        "generate tok/s": n / statistics.median(times["memlm"]),
+        "bare generate tok/s": n / statistics.median(times["bare"]),
+        "generate/bare": statistics.median(ratios),
+        "generate lambda>0": sum(x > 0 for x in timed) / len(timed),
+        "generate mean lambda": statistics.fmean(timed),
+    }
+
+
 def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
     top = args.workdir / f"n{n}"
     shutil.rmtree(top, ignore_errors=True)
@@ -105,6 +152,8 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
     try:
         row["precision"] = served[1].encoder.precision
         row.update(predict_latency(args, top, st, args.threads, served=served))
+        if args.generate_rounds:
+            row.update(generate_rates(served[1], st, args))
         texts = st.next_texts[-args.ingest_docs :]  # /predict's contexts are the first ones
         row.update(ingest_rates(served[1], texts, first_doc=10_000_000))
     finally:
@@ -129,6 +178,9 @@ COLUMNS = [
     ("http p99 ms", "/predict p99 ms"),
     ("bare p50 ms", "bare fwd p50 ms"),
     ("http/bare p50", "/predict / bare p50"),
+    ("generate tok/s", "/generate tok/s"),
+    ("bare generate tok/s", "bare HF generate tok/s"),
+    ("generate/bare", "/generate / bare"),
     ("load before", "load before"),
     ("load after", "load after"),
 ]
@@ -149,6 +201,8 @@ def main() -> None:
     ap.add_argument("--ingest-docs", type=int, default=6, help="articles MoNIM ingests per N")
     ap.add_argument("--requests", type=int, default=30, help="timed /predict calls per N")
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--generate-tokens", type=int, default=64, help="new tokens per generation")
+    ap.add_argument("--generate-rounds", type=int, default=5, help="timed rounds (0: skip)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/memlm-growth"))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("MEMLM_THREADS", "1")))
     ap.add_argument("--keep", action="store_true", help="keep the stores")
@@ -175,6 +229,15 @@ def main() -> None:
         f"\nprecision {rows[0].get('precision')}; MemRate "
         + ", ".join(f"{r['N']}: {r['MemRate']:.3f}" for r in rows)
     )
+    if args.generate_rounds:
+        print(
+            "/generate: tokens with lambda > 0 (a search whose answer was mixed in), mean "
+            "lambda: "
+            + ", ".join(
+                f"{r['N']}: {r['generate lambda>0']:.3f}, {r['generate mean lambda']:.3f}"
+                for r in rows
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,15 @@ import statistics
 import time
 from typing import Any
 
-from _common import interleaved, load_average, markdown_table, memorise, open_served_engine, serving
+from _common import (
+    hf_generate,
+    interleaved,
+    load_average,
+    markdown_table,
+    memorise,
+    open_served_engine,
+    serving,
+)
 
 
 def main() -> None:
@@ -95,17 +103,7 @@ def main() -> None:
         current[:] = [contexts[len(agree) % len(contexts)]]
 
     def hf() -> None:
-        x = torch.tensor(current)
-        with torch.inference_mode():
-            out = enc.model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=enc.tokenizer.eos_token_id,
-            )
-        outputs["hf"] = out[0, x.shape[1] :].tolist()
+        outputs["hf"] = hf_generate(enc, current[0], n)
         produced["HF generate"].append(len(outputs["hf"]))
 
     def ours() -> None:
