@@ -3,8 +3,13 @@ the re-test of ``--sample`` entries and a budget's retirement, against the build
 
     python benchmarks/bench_consolidation.py --entries 100000 --sample 4096 --threads 1
     python benchmarks/bench_consolidation.py --entries 1000000 --spread-only
+    python benchmarks/bench_consolidation.py --store /work/growth/n1000000/memory --nights 3
 
-Keys: 1,000 Gaussian clusters in 576 dimensions (as bench_index.py), each cluster's
+``--store``: the re-test alone, a few nights in a row, on a faiss memory a benchmark left
+(``bench_cost_growth.py --keep``: real news keys stretched to N, the nightly build's
+IVF-PQ index); it retires what fails from that store.
+
+Keys (without ``--store``): 1,000 Gaussian clusters in 576 dimensions (as bench_index.py), each cluster's
 entries sharing one of 5 values, so that some entries are redundant.
 """
 
@@ -59,6 +64,29 @@ def spread_night(entries: int, days: int) -> None:
         mem.close()
 
 
+def retest_store(store: Path, sample: int, nights: int) -> None:
+    """``nights`` re-tests of ``sample`` entries each on the memory at ``store`` (its
+    served index), the cursor moving on as in the service; p_LM is unknown (taken as 0,
+    the service's lower bound for such entries): the searches, the work, are the same."""
+    mem = FaissMemory.open(store, None)
+    try:
+        built = mem.served_version
+        print(f"{store}: {mem.count():,} live entries, index version {built}")
+        params = KnnParams(k=64, temperature=5.0, lmbda=0.25)
+        with tempfile.TemporaryDirectory() as cursor:
+            for night in range(nights):
+                rep = consolidate(
+                    mem, ConsolidationConfig(sample=sample), params, Usage(), state=Path(cursor)
+                )
+                print(
+                    f"night {night + 1}: re-test of {rep.examined:,} in {rep.seconds:.1f} s "
+                    f"({1000 * rep.seconds / max(1, rep.examined):.2f} ms an entry, "
+                    f"{2 * params.k + 1} neighbours each), {rep.retired['test']:,} retired"
+                )
+    finally:
+        mem.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--entries", type=int, default=100_000)
@@ -70,8 +98,15 @@ def main() -> None:
         help="only the spread budget (no index: it searches nothing), entries over --days",
     )
     ap.add_argument("--days", type=int, default=57, help="--spread-only: days the entries span")
+    ap.add_argument(
+        "--store", type=Path, help="only the re-test, on this faiss memory (retires from it)"
+    )
+    ap.add_argument("--nights", type=int, default=3, help="--store: re-tests in a row")
     a = ap.parse_args()
     faiss.omp_set_num_threads(a.threads)
+    if a.store is not None:
+        retest_store(a.store, a.sample, a.nights)
+        return
     if a.spread_only:
         spread_night(a.entries, a.days)
         return
