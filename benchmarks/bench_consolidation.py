@@ -9,8 +9,8 @@ the re-test of ``--sample`` entries and a budget's retirement, against the build
 (``bench_cost_growth.py --keep``: real news keys stretched to N, the nightly build's
 IVF-PQ index); it retires what fails from that store.
 
-Keys (without ``--store``): 1,000 Gaussian clusters in 576 dimensions (as bench_index.py), each cluster's
-entries sharing one of 5 values, so that some entries are redundant.
+Keys (without ``--store``): 1,000 Gaussian clusters in 576 dimensions (as bench_index.py),
+each cluster's entries sharing one of 5 values, so that some entries are redundant.
 """
 
 from __future__ import annotations

@@ -116,10 +116,11 @@ class Settings(BaseSettings):
     # what costs least by MEMLM_BUDGET_CRITERION. spread (the default, measured best on
     # slice14d, docs/results/slice14d-spread): the newest MEMLM_BUDGET_RECENT_SHARE of the
     # budget stays whole (none by default), every older day is thinned to the same size,
-    # the entries the LM predicts best first. At 45% of FullMem's entries FullMem under it scores FullMem's
-    # test ppl (27.73 vs 27.74) and the earlier month still improves (-0.7%), where the
-    # age budget (the oldest first) loses 0.18% and forgets (+2.7%). Also: usage (fewest
-    # hits of the entry's block, then most redundant), redundancy, random.
+    # the entries the LM predicts best first. At 45% of FullMem's entries FullMem under it
+    # scores FullMem's test ppl (27.73 vs 27.74) and the earlier month still improves
+    # (-0.7%), where the age budget (the oldest first) loses 0.18% and forgets (+2.7%).
+    # Also: usage (fewest hits of the entry's block, then most redundant), redundancy,
+    # random.
     memory_budget_entries: int | None = Field(default=None, ge=0)
     budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "spread"
     # spread: the share of the budget that keeps the newest entries whole; the older days
