@@ -45,6 +45,7 @@ import faiss
 
 from memlm.datastore import Datastore
 from memlm.index import build_index
+from memlm.index.versions import current_version, load_version
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import hf_generate, interleaved, load_average, markdown_table  # noqa: E402
@@ -94,6 +95,71 @@ def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any
     }
 
 
+def worker_rates(
+    engine: Any, texts: list[str], first_doc: int, rounds: int
+) -> dict[str, Any]:
+    """The ingest worker's whole per-document path (encode, search, decide, append), as
+    it runs, against the encoder alone on the same articles; two ways:
+
+    - **sequential**: ``prepare_document`` then ``store_document``, one document after
+      the other;
+    - **encode ahead**: the same with ``next_text``: the next document's forward starts
+      once this one's outputs are in hand and runs beside its search, decision and append.
+
+    The three paths are interleaved round by round (``rounds`` timed rounds after one
+    untimed sequential one, which also records the articles' held-out tokens once), and
+    each ingest is cut off again afterwards (``truncate``), so every round starts from the
+    same memory. Per path the median seconds; the ratios are medians of per-round ratios.
+    The decisions of the two ingests must be equal (``decisions equal``).
+    """
+    enc, memory = engine.encoder, engine.memory
+    ids = [enc.tokenize(t) for t in texts]
+    tokens = sum(len(i) - 1 for i in ids)
+    start = memory.count()
+    masks: dict[str, list[Any]] = {}
+
+    def ingest(name: str, ahead: bool) -> None:
+        got = []
+        for j, text in enumerate(texts):
+            after = texts[j + 1] if ahead and j + 1 < len(texts) else None
+            prep = engine.prepare_document(first_doc + j, text, 0, next_text=after)
+            engine.store_document(prep)
+            got.append(prep.store)
+        memory.truncate(start)
+        masks[name] = got
+
+    def encoder_alone() -> None:
+        for i in ids:
+            enc.encode_ids(i, engine.window)
+
+    times = interleaved(
+        {
+            "encoder": encoder_alone,
+            "sequential": lambda: ingest("sequential", False),
+            "ahead": lambda: ingest("ahead", True),
+        },
+        rounds,
+        warmup=1,
+    )
+    same = all(
+        (a == b).all() for a, b in zip(masks["sequential"], masks["ahead"], strict=True)
+    )
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+
+    def ratio(name: str) -> float:
+        return statistics.median(e / t for e, t in zip(times["encoder"], times[name], strict=True))
+
+    return {
+        "worker tokens": tokens,
+        "encoder e2e tok/s": tokens / med["encoder"],
+        "worker seq tok/s": tokens / med["sequential"],
+        "worker ahead tok/s": tokens / med["ahead"],
+        "seq/encoder": ratio("sequential"),
+        "ahead/encoder": ratio("ahead"),
+        "decisions equal": same,
+    }
+
+
 def generate_rates(engine: Any, st: Stretcher, args: argparse.Namespace) -> dict[str, Any]:
     """Tokens/s of the ``/generate`` loop (memory on) and of the bare model's HF
     ``generate``, interleaved: one round = one context, each path once."""
@@ -137,26 +203,40 @@ def generate_rates(engine: Any, st: Stretcher, args: argparse.Namespace) -> dict
 
 def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
     top = args.workdir / f"n{n}"
-    shutil.rmtree(top, ignore_errors=True)
     data_dir = top / "memory"  # Settings(data_dir=top).datastore_dir: what the API serves
-    data_dir.mkdir(parents=True)
     row: dict[str, Any] = {"N": n, "load before": load_average()}
-    ds = Datastore.open(data_dir / "datastore", dim=st.dim)
-    st.fill(ds, 0, n)
-    t0 = time.perf_counter()
-    built = build_index(ds, data_dir / "index", retrain=True, progress=False, threads=args.threads)
-    row["build s"] = time.perf_counter() - t0
-    p = built.params
+    if args.reuse and current_version(data_dir / "index") is not None:
+        ds = Datastore.open(data_dir / "datastore", dim=st.dim)
+        if len(ds) != n:  # an ingest cut off by a crash, or another size
+            raise SystemExit(f"{data_dir} holds {len(ds)} entries, not {n}: drop --reuse")
+        ds.close()
+        info = load_version(data_dir / "index", current_version(data_dir / "index"))[1]
+        p = info.params
+        row["build s"] = "reused"
+    else:
+        shutil.rmtree(top, ignore_errors=True)
+        data_dir.mkdir(parents=True)
+        ds = Datastore.open(data_dir / "datastore", dim=st.dim)
+        st.fill(ds, 0, n)
+        t0 = time.perf_counter()
+        built = build_index(
+            ds, data_dir / "index", retrain=True, progress=False, threads=args.threads
+        )
+        row["build s"] = time.perf_counter() - t0
+        p = built.params
+        ds.close()
     row["index"] = f"{p.kind} nlist {p.nlist} m {p.m} nprobe {p.nprobe}"
-    ds.close()
-    print(f"# N={n}: built in {row['build s']:.0f} s ({row['index']}), load {load_average()}")
+    print(f"# N={n}: index {row['index']}, build {_cell(row['build s'])} s, load {load_average()}")
     served = open_served(top, args.threads)
     try:
         row["precision"] = served[1].encoder.precision
-        row.update(predict_latency(args, top, st, args.threads, served=served))
+        if args.requests:
+            row.update(predict_latency(args, top, st, args.threads, served=served))
         if args.generate_rounds:
             row.update(generate_rates(served[1], st, args))
         texts = st.next_texts[-args.ingest_docs :]  # /predict's contexts are the first ones
+        if args.worker_rounds:
+            row.update(worker_rates(served[1], texts, 10_000_000, args.worker_rounds))
         row.update(ingest_rates(served[1], texts, first_doc=10_000_000))
     finally:
         served[1].close()
@@ -176,6 +256,12 @@ COLUMNS = [
     ("append ms/tok", "append ms/tok"),
     ("memory/encoder time", "memory / encoder time"),
     ("worker tok/s", "worker tok/s (sum)"),
+    ("encoder e2e tok/s", "encoder alone tok/s (worker rounds)"),
+    ("worker seq tok/s", "worker sequential tok/s"),
+    ("seq/encoder", "sequential / encoder"),
+    ("worker ahead tok/s", "worker encode-ahead tok/s"),
+    ("ahead/encoder", "encode-ahead / encoder"),
+    ("decisions equal", "decisions equal"),
     ("http p50 ms", "/predict p50 ms"),
     ("http p99 ms", "/predict p99 ms"),
     ("bare p50 ms", "bare fwd p50 ms"),
@@ -201,13 +287,24 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=8, help="last key files kept out")
     ap.add_argument("--noise", type=float, default=0.5, help="a of bench_scale's generator")
     ap.add_argument("--ingest-docs", type=int, default=6, help="articles MoNIM ingests per N")
-    ap.add_argument("--requests", type=int, default=30, help="timed /predict calls per N")
+    ap.add_argument(
+        "--requests", type=int, default=30, help="timed /predict calls per N (0: skip)"
+    )
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--generate-tokens", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--generate-rounds", type=int, default=5, help="timed rounds (0: skip)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/memlm-growth"))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("MEMLM_THREADS", "1")))
     ap.add_argument("--keep", action="store_true", help="keep the stores")
+    ap.add_argument(
+        "--reuse", action="store_true", help="serve a kept store of that size as it is (no build)"
+    )
+    ap.add_argument(
+        "--worker-rounds",
+        type=int,
+        default=3,
+        help="timed rounds of the whole worker path, sequential and encode-ahead (0: skip)",
+    )
     args = ap.parse_args()
     faiss.omp_set_num_threads(args.threads)
     st = Stretcher(args.keys_npz, args.heldout, args.noise)

@@ -163,12 +163,20 @@ class FakeEngine:
         )
 
     def prepare_document(
-        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        next_text: str | None = None,
     ) -> FakePrepared:
         words = text.split()
         if self.fail_on is not None and self.fail_on in words:
             raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
         spans = np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
+        if next_text is not None:  # the engine starts it once this one is encoded
+            self.encode_ahead(next_text, policy=policy)
         return FakePrepared(doc_id, day, words, _policy_name(policy, self.policy), spans)
 
     def encode_ahead(self, text: str, *, policy: Policy | str | None = None) -> None:

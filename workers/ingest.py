@@ -314,9 +314,14 @@ class IngestWorker:
             after = DocumentRepository(s).peek_next() if self.settings.encode_ahead else None
         t0 = time.perf_counter()
         try:
-            prepared = self.engine.prepare_document(doc_id, text, day_number(day), policy=policy)
-            if after is not None:  # its forward runs beside this one's search and commit
-                self.engine.encode_ahead(after[1], policy=policy)
+            # the next document's forward runs beside this one's search, append and commit
+            prepared = self.engine.prepare_document(
+                doc_id,
+                text,
+                day_number(day),
+                policy=policy,
+                next_text=None if after is None else after[1],
+            )
         except Exception as exc:
             return self._failed(doc_id, exc)
         with self.engine.exclusive():  # other workers wait from here to the commit

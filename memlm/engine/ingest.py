@@ -60,10 +60,21 @@ class IngestMixin(EngineCore):
         )
 
     def prepare_document(
-        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        next_text: str | None = None,
     ) -> PreparedDocument:
         """Everything before the append, without the write lock: encode, score every token
         against the memory served now (other writers' entries included), apply the policy.
+
+        ``next_text``: the document the caller prepares next. Its encode starts (on a
+        thread of its own, :meth:`encode_ahead`) as soon as this document's outputs are in
+        hand, so the model's forward of the next document runs beside this one's search,
+        decision, append and commit; a prepare of that text takes the result.
 
         A sampled document's held-out tokens are recorded for the calibrator here (they
         were scored against the memory before its own entries join it).
@@ -75,6 +86,8 @@ class IngestMixin(EngineCore):
         pol = self._policy(policy)
         served = self.served  # MoNIM asks the model served now (read once)
         token_ids, out = self._encoded(text, pol.needs_key_ce)
+        if next_text is not None:  # not before: two encodes would share the cores
+            self.encode_ahead(next_text, policy=pol)
         search: tuple[np.ndarray, np.ndarray] | None = None
         usage = None
         if pol.needs_augmented:

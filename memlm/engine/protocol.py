@@ -73,7 +73,13 @@ class EngineLike(Protocol[PreparedT]):
     ) -> IngestResult: ...
 
     def prepare_document(
-        self, doc_id: int, text: str, day: int, *, policy: Policy | str | None = None
+        self,
+        doc_id: int,
+        text: str,
+        day: int,
+        *,
+        policy: Policy | str | None = None,
+        next_text: str | None = None,
     ) -> PreparedT: ...
 
     def store_document(self, prep: PreparedT, *, crash_at: str | None = None) -> IngestResult: ...
