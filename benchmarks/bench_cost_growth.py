@@ -95,9 +95,7 @@ def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any
     }
 
 
-def worker_rates(
-    engine: Any, texts: list[str], first_doc: int, rounds: int
-) -> dict[str, Any]:
+def worker_rates(engine: Any, texts: list[str], first_doc: int, rounds: int) -> dict[str, Any]:
     """The ingest worker's whole per-document path (encode, search, decide, append), as
     it runs, against the encoder alone on the same articles; two ways:
 
@@ -141,9 +139,7 @@ def worker_rates(
         rounds,
         warmup=1,
     )
-    same = all(
-        (a == b).all() for a, b in zip(masks["sequential"], masks["ahead"], strict=True)
-    )
+    same = all((a == b).all() for a, b in zip(masks["sequential"], masks["ahead"], strict=True))
     med = {name: statistics.median(ts) for name, ts in times.items()}
 
     def ratio(name: str) -> float:
@@ -287,9 +283,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=8, help="last key files kept out")
     ap.add_argument("--noise", type=float, default=0.5, help="a of bench_scale's generator")
     ap.add_argument("--ingest-docs", type=int, default=6, help="articles MoNIM ingests per N")
-    ap.add_argument(
-        "--requests", type=int, default=30, help="timed /predict calls per N (0: skip)"
-    )
+    ap.add_argument("--requests", type=int, default=30, help="timed /predict calls per N (0: skip)")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--generate-tokens", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--generate-rounds", type=int, default=5, help="timed rounds (0: skip)")
