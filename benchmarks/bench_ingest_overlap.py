@@ -7,9 +7,10 @@ and stored, in order:
 
 - **encoder alone**: ``Encoder.encode_ids`` of the same documents, one after the other;
 - **sequential**: ``prepare_document`` + ``store_document``, as the worker did before;
-- **encode ahead**: the same, with ``encode_ahead`` of the next document before each
-  prepare, as the worker does now: the next forward runs on a thread of its own while this
-  document is searched, decided and stored.
+- **encode ahead**: the same, with ``next_text`` (the next document) given to each
+  prepare, as the worker does with ``MEMLM_ENCODE_AHEAD``: the next forward starts on a
+  thread of its own once this document's outputs are in hand, and runs while it is
+  searched, decided and stored.
 
 Each ingest starts from a copy of the same memory; the rounds alternate the two paths
 (best of ``--rounds``). The decisions must be equal; the script says so.
@@ -49,11 +50,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch and faiss threads, each")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--docs", type=int, default=None, help="ingest only the first N")
+    ap.add_argument("--precision", default="auto", help="the encoder's (auto: the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     print(f"load average before: {load_average()}")
-    enc = Encoder.load("smollm2-135m", threads=args.threads, precision="bfloat16")
+    enc = Encoder.load("smollm2-135m", threads=args.threads, precision=args.precision)
     plans = plan_stream(
         load_corpus("news"),
         days=args.days,
@@ -92,9 +94,8 @@ def main() -> None:
         eng.reload_index()
         masks = []
         for j, d in enumerate(ingest):
-            prep = eng.prepare_document(10_000 + j, d.text, 17001)
-            if ahead and j + 1 < len(ingest):
-                eng.encode_ahead(ingest[j + 1].text)
+            after = ingest[j + 1].text if ahead and j + 1 < len(ingest) else None
+            prep = eng.prepare_document(10_000 + j, d.text, 17001, next_text=after)
             eng.store_document(prep)
             masks.append(prep.store)
         eng.close()

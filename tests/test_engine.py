@@ -400,3 +400,38 @@ def test_encode_ahead_gives_what_encoding_in_place_gives(engine, monkeypatch):
     engine._ahead[1].result()
     engine.prepare_document(3, other, 19000, policy="monim")
     assert [t.startswith("encode-ahead") for t in threads[1:]] == [True, False]
+
+
+def test_prepare_document_encodes_the_next_text_once_its_own_is_encoded(engine, monkeypatch):
+    import threading
+
+    other = "A storm closed the ferry line to the islands for two days last week. " * 2
+    engine.process_document(1, TEXT, 19000, policy="fullmem")
+    in_place = [
+        engine.prepare_document(d, t, 19000, policy="monim") for d, t in [(2, TEXT), (3, other)]
+    ]
+    calls = []  # (on the encode-ahead thread, text, another encode running at its start)
+    active = [0]
+    lock = threading.Lock()
+    encode = engine._encode
+
+    def spy(text, key_ce=False):
+        with lock:
+            active[0] += 1
+            ahead = threading.current_thread().name.startswith("encode-ahead")
+            calls.append((ahead, text, active[0] > 1))
+        try:
+            return encode(text, key_ce)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(engine, "_encode", spy)
+    first = engine.prepare_document(2, TEXT, 19000, policy="monim", next_text=other)
+    second = engine.prepare_document(3, other, 19000, policy="monim")
+    # this document encoded here, then the next one ahead (never two at once), taken by
+    # the next prepare
+    assert calls == [(False, TEXT, False), (True, other, False)]
+    for got, want in zip([first, second], in_place, strict=True):
+        np.testing.assert_array_equal(got.store, want.store)
+        np.testing.assert_array_equal(got.outputs.keys, want.outputs.keys)
