@@ -129,7 +129,7 @@ class FakeEngine:
     fail_on: str | None = None  # a word that makes process_document raise EngineInputError
     span: int = 512  # words at the end of a context that predict reads (fit_context)
     span_calls: list[str] = field(default_factory=list)  # texts given to char_spans
-    ahead: list[str] = field(default_factory=list)  # texts given to encode_ahead
+    ahead: list[str] = field(default_factory=list)  # next_text of each prepare_document
     # the datastore's write lock and the build lock, for workers sharing this fake
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _build: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -175,12 +175,9 @@ class FakeEngine:
         if self.fail_on is not None and self.fail_on in words:
             raise EngineInputError(f"cannot encode the word {self.fail_on!r}")
         spans = np.array([m.span() for m in re.finditer(r"\S+", text)], np.int64).reshape(-1, 2)
-        if next_text is not None:  # the engine starts it once this one is encoded
-            self.encode_ahead(next_text, policy=policy)
+        if next_text is not None:  # the engine starts its encode once this one is encoded
+            self.ahead.append(next_text)
         return FakePrepared(doc_id, day, words, _policy_name(policy, self.policy), spans)
-
-    def encode_ahead(self, text: str, *, policy: Policy | str | None = None) -> None:
-        self.ahead.append(text)
 
     def char_spans(self, text: str) -> np.ndarray:
         self.span_calls.append(text)

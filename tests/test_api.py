@@ -1104,9 +1104,9 @@ def test_the_fake_engine_keeps_the_real_engines_shape() -> None:
     calls = [
         n for n in dir(EngineLike) if not n.startswith("_") and callable(getattr(EngineLike, n))
     ]
-    # 20, the 7 token-id calls of the OpenAI-compatible API, encode_ahead (the worker
-    # encodes the next document while this one is searched) and memory_unavailable
-    assert len(calls) == 29, calls
+    # 20, the 7 token-id calls of the OpenAI-compatible API and memory_unavailable (the
+    # worker asks for the next document's encode through prepare_document's next_text)
+    assert len(calls) == 28, calls
     for name in calls:
         real_params = inspect.signature(getattr(real.Engine, name)).parameters
         fake_params = inspect.signature(getattr(fake.FakeEngine, name)).parameters
