@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import faiss
+import numpy as np
 
 from memlm.datastore import Datastore
 from memlm.index import build_index
@@ -69,6 +70,7 @@ def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any
         return cached[tuple(i)]
 
     enc.encode_ids = from_cache  # instance attribute: this run only, removed below
+    start = engine.memory.count()
     prepare_s = store_s = 0.0
     stored = 0
     try:
@@ -82,6 +84,7 @@ def ingest_rates(engine: Any, texts: list[str], first_doc: int) -> dict[str, Any
             stored += res.tokens_stored
     finally:
         del enc.encode_ids
+        engine.memory.truncate(start)  # the store keeps its size (--reuse)
     memory_s = prepare_s + store_s
     return {
         "ingest tokens": tokens,
@@ -153,6 +156,7 @@ def worker_rates(engine: Any, texts: list[str], first_doc: int, rounds: int) -> 
         "seq/encoder": ratio("sequential"),
         "ahead/encoder": ratio("ahead"),
         "decisions equal": same,
+        "decisions": masks["sequential"],
     }
 
 
@@ -233,6 +237,10 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
         texts = st.next_texts[-args.ingest_docs :]  # /predict's contexts are the first ones
         if args.worker_rounds:
             row.update(worker_rates(served[1], texts, 10_000_000, args.worker_rounds))
+            decisions = np.concatenate(row.pop("decisions"))
+            if args.decisions_out is not None:  # to compare runs (another depth, say)
+                args.decisions_out.parent.mkdir(parents=True, exist_ok=True)
+                np.save(args.decisions_out, decisions)
         row.update(ingest_rates(served[1], texts, first_doc=10_000_000))
     finally:
         served[1].close()
@@ -292,6 +300,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the stores")
     ap.add_argument(
         "--reuse", action="store_true", help="serve a kept store of that size as it is (no build)"
+    )
+    ap.add_argument(
+        "--decisions-out", type=Path, help="save MoNIM's decisions of the worker rounds (.npy)"
     )
     ap.add_argument(
         "--worker-rounds",

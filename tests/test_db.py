@@ -440,3 +440,51 @@ def test_a_connection_checked_in_after_dispose_is_closed_not_left_to_the_collect
         warnings.simplefilter("always")
         gc.collect()
     assert not [w for w in caught if "still open" in str(w.message)]
+
+
+def test_connections_returned_while_the_engine_is_disposed_are_all_closed(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads return connections while another disposes the engine: every connection
+    ever opened is closed at the end (the oracle: the pool's connect events). The stock
+    return is slowed, so that each one queues while a dispose can drain the queue; a
+    return that checked the flag before the dispose set it must still finish first."""
+    from sqlalchemy import event
+    from sqlalchemy.pool import QueuePool
+
+    from memlm.db.session import make_engine
+
+    stock = QueuePool._do_return_conn
+
+    def slow_return(self, record):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        stock(self, record)
+
+    monkeypatch.setattr(QueuePool, "_do_return_conn", slow_return)
+    engine = make_engine(pg_url, pool_size=4, max_overflow=4)
+    opened = []
+    event.listen(engine, "connect", lambda dbapi, _rec: opened.append(dbapi))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def user() -> None:
+        try:
+            while not stop.is_set():
+                with engine.connect() as c:
+                    c.execute(text("select 1"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=user) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(10):
+        time.sleep(0.03)
+        engine.dispose()
+    stop.set()
+    for t in threads:
+        t.join()
+    engine.dispose()
+    assert not errors
+    assert len(opened) > 4  # the disposes made it open new ones
+    assert [c for c in opened if not c.closed] == []

@@ -806,7 +806,7 @@ def test_a_try_killed_once_then_retried_counts_one_failed_try(any_setup: Setup) 
 def test_the_next_pending_document_is_encoded_ahead(setup: Setup) -> None:
     settings, sessions, engine, new_worker = setup
     first, second, third = add(sessions, "a b", "c d", "e f")
-    settings.encode_ahead = True  # off by default
+    assert settings.encode_ahead  # on by default
     w = new_worker()
     w.start(timeout=1)
     out = w.step()

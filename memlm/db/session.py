@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -20,17 +21,24 @@ class ClosingQueuePool(QueuePool):
     moment. Closing it on its return leaves nothing to that collector.
     """
 
-    _disposed = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._disposed = False
+        # a return that found the pool live finishes queueing before dispose() drains the
+        # queue: without it, a connection queued just after the drain would stay open
+        self._return_lock = threading.Lock()
 
     def dispose(self) -> None:
-        self._disposed = True
+        with self._return_lock:
+            self._disposed = True
         super().dispose()
 
     def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
-        if self._disposed:
-            record.close()
-            return
-        super()._do_return_conn(record)
+        with self._return_lock:
+            if not self._disposed:
+                super()._do_return_conn(record)  # non-blocking: queued, or closed on overflow
+                return
+        record.close()
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
