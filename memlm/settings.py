@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
+from memlm.knnlm.consolidate import DEFAULT_BUDGET_CRITERION, DEFAULT_BUDGET_RECENT
 from memlm.knnlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
@@ -124,12 +125,14 @@ class Settings(BaseSettings):
     # Also: usage (fewest hits of the entry's block, then most redundant), redundancy,
     # random.
     memory_budget_entries: int | None = Field(default=None, ge=0)
-    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = "spread"
+    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = (
+        DEFAULT_BUDGET_CRITERION
+    )
     # spread: the share of the budget that keeps the newest entries whole; the older days
     # are thinned to the same size each (memlm.memory.consolidation.spread). 0 measured
     # best: the same test ppl as 0.25 and half the forgetting over 57 days
     # (docs/results/stream57-spread)
-    budget_recent_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    budget_recent_share: float = Field(default=DEFAULT_BUDGET_RECENT, ge=0.0, le=1.0)
 
     # --- scheduling -----------------------------------------------------------------------
     # Crontab (minute hour day month weekday) of the rebuild, in UTC. Nightly by default.

@@ -416,8 +416,10 @@ def test_each_milvus_index_kind_builds_and_searches(
         bd, bi = _brute(keys, q, 10)
         want = entry_ids(np.full(3000, 3), pos)[bi]
         dist, ids, _ = reader.search(q, 10)
-        if params.kind == "ivfsq8":  # 8-bit codes: the order may differ near ties
-            assert (ids == want).mean() >= 0.9
+        if params.kind == "ivfsq8":  # 8-bit codes: the order may differ near ties, so
+            # the recall of the 10 (as sets), not the rank-by-rank match (0.88 once, in CI)
+            found = [len(set(a) & set(b)) for a, b in zip(ids.tolist(), want.tolist(), strict=True)]
+            assert sum(found) / want.size >= 0.9
             dist, ids, _ = reader.search(q, 10, depth=40)  # re-ranked from the stored keys
             # a re-rank brings 40 keys a query back: answers are split to stay under gRPC's
             # message limit (here 7 queries a call), with the same neighbours

@@ -9,6 +9,7 @@ from typing import Literal
 
 import typer
 
+from memlm.knnlm.consolidate import DEFAULT_BUDGET_CRITERION, DEFAULT_BUDGET_RECENT
 from memlm.knnlm.policy import POLICY_NAMES
 
 IndexKind = Literal["auto", "flat"]
@@ -47,7 +48,7 @@ def eval_command(
     ),
     budget: int | None = typer.Option(None, help="+budget policies: entries kept after a build"),
     budget_criterion: str = typer.Option(
-        "spread",
+        DEFAULT_BUDGET_CRITERION,
         help="what a +budget policy retires first: age, usage, redundancy, random, or spread "
         "(every older day thinned to the same size, the newest --budget-recent kept whole)",
     ),
@@ -57,7 +58,10 @@ def eval_command(
         "usage (fewest hits of its block) or random",
     ),
     budget_recent: float = typer.Option(
-        0.0, min=0.0, max=1.0, help="spread: the share of --budget kept for the newest entries"
+        DEFAULT_BUDGET_RECENT,
+        min=0.0,
+        max=1.0,
+        help="spread: the share of --budget kept for the newest entries",
     ),
     delta: float = typer.Option(-1.5, help="MoNIM threshold on log p(x_t)"),
     kl_delta: float = typer.Option(

@@ -12,6 +12,7 @@ from memlm.evaluate.bootstrap import RESAMPLES
 from memlm.evaluate.dedup import EVAL_THRESHOLD, NEAR_THRESHOLD
 from memlm.evaluate.run import TrimeSpec
 from memlm.knnlm import KnnParams
+from memlm.knnlm.consolidate import DEFAULT_BUDGET_CRITERION, DEFAULT_BUDGET_RECENT
 from memlm.knnlm.policy import DEFAULT_DELTA, DEFAULT_KL_DELTA
 from memlm.memory.consolidation import ConsolidationConfig
 from memlm.memory.pointers import PointerConfig
@@ -87,8 +88,8 @@ class EvalConfig:
     # spread keeps the newest ``budget_recent`` share of the budget whole)
     consolidate_sample: int = 2048
     budget: int | None = None
-    budget_criterion: str = "spread"
-    budget_recent: float = 0.0
+    budget_criterion: str = DEFAULT_BUDGET_CRITERION
+    budget_recent: float = DEFAULT_BUDGET_RECENT
     spread_rank: str = "lm"  # spread: what goes first within a day (SPREAD_RANKS)
     # where each policy's memory lives: None (or "faiss") the faiss files of its work
     # directory; milvus://host:port/prefix a Milvus collection <prefix>_<policy> of its own

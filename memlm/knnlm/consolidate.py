@@ -15,9 +15,18 @@ would still be stored.
 
 from __future__ import annotations
 
+from typing import Final
+
 import numpy as np
 
 from memlm.knnlm.mixture import KnnParams, knn_logprob
+
+# What a memory budget retires first, and the share of it that keeps the newest entries
+# whole: the defaults of the service (Settings), the harness (EvalConfig, memlm eval) and
+# ConsolidationConfig alike. Spread with no recent share measured best
+# (docs/results/slice14d-spread, docs/results/stream57-spread).
+DEFAULT_BUDGET_CRITERION: Final = "spread"
+DEFAULT_BUDGET_RECENT: Final = 0.0
 
 
 def leave_one_out(

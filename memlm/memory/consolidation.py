@@ -45,7 +45,13 @@ import numpy.typing as npt
 
 from memlm.datastore import SimulatedCrash
 from memlm.knnlm import KnnParams
-from memlm.knnlm.consolidate import leave_one_out, retire_in_turn, todays_logprob
+from memlm.knnlm.consolidate import (
+    DEFAULT_BUDGET_CRITERION,
+    DEFAULT_BUDGET_RECENT,
+    leave_one_out,
+    retire_in_turn,
+    todays_logprob,
+)
 from memlm.knnlm.policy import DEFAULT_DELTA
 from memlm.memory.base import MemoryBackend
 from memlm.memory.usage import Usage
@@ -78,11 +84,11 @@ class ConsolidationConfig:
     delta: float = DEFAULT_DELTA  # MoNIM's threshold, the one the policy stores with
     budget: int | None = None  # live entries kept after a build; None: no budget
     # measured best on slice14d (docs/results/slice14d-spread; Settings.budget_criterion)
-    criterion: Criterion = "spread"
+    criterion: Criterion = DEFAULT_BUDGET_CRITERION
     seed: int = 0  # the random criterion's
     # spread: the share of the budget that keeps the newest entries whole; the rest is
     # shared evenly by the older days (``spread``)
-    recent: float = 0.0  # measured: docs/results/slice14d-spread, stream57-spread
+    recent: float = DEFAULT_BUDGET_RECENT
     within: SpreadRank = "lm"  # spread: what goes first within a day
 
     @property
@@ -105,7 +111,7 @@ class ConsolidationReport:
     cursor: tuple[int, int] = (0, 0)  # (from, to)
     wrapped: bool = False  # the window reached the end of the memory
     budget: int | None = None
-    criterion: str = "spread"
+    criterion: str = DEFAULT_BUDGET_CRITERION
     recent: float | None = None  # spread: the share of the budget kept for the newest
     live_before: int = 0
     live_after: int = 0
