@@ -46,7 +46,8 @@ import numpy as np
 
 from memlm.datastore import Datastore
 from memlm.index import build_index
-from memlm.index.versions import current_version, load_version
+from memlm.index.params import BuildInfo
+from memlm.index.versions import current_version, version_name
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import hf_generate, interleaved, load_average, markdown_table  # noqa: E402
@@ -205,13 +206,14 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
     top = args.workdir / f"n{n}"
     data_dir = top / "memory"  # Settings(data_dir=top).datastore_dir: what the API serves
     row: dict[str, Any] = {"N": n, "load before": load_average()}
-    if args.reuse and current_version(data_dir / "index") is not None:
+    version = current_version(data_dir / "index") if args.reuse else None
+    if version is not None:
         ds = Datastore.open(data_dir / "datastore", dim=st.dim)
         if len(ds) != n:  # an ingest cut off by a crash, or another size
             raise SystemExit(f"{data_dir} holds {len(ds)} entries, not {n}: drop --reuse")
         ds.close()
-        info = load_version(data_dir / "index", current_version(data_dir / "index"))[1]
-        p = info.params
+        # the version's metadata only: the engine opened below reads the index itself
+        p = BuildInfo.read(data_dir / "index" / version_name(version)).params
         row["build s"] = "reused"
     else:
         shutil.rmtree(top, ignore_errors=True)
@@ -226,7 +228,9 @@ def bench_n(args: argparse.Namespace, st: Stretcher, n: int) -> dict[str, Any]:
         p = built.params
         ds.close()
     row["index"] = f"{p.kind} nlist {p.nlist} m {p.m} nprobe {p.nprobe}"
-    print(f"# N={n}: index {row['index']}, build {_cell(row['build s'])} s, load {load_average()}")
+    built_s = row["build s"]
+    build = "reused" if built_s == "reused" else f"{built_s:.0f} s"
+    print(f"# N={n}: index {row['index']}, build {build}, load {load_average()}")
     served = open_served(top, args.threads)
     try:
         row["precision"] = served[1].encoder.precision
