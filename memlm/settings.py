@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from memlm.knnlm import DEFAULT_TAU
-from memlm.knnlm.consolidate import DEFAULT_BUDGET_CRITERION, DEFAULT_BUDGET_RECENT
+from memlm.knnlm.consolidate import DEFAULT_BUDGET_CRITERION, DEFAULT_BUDGET_RECENT, Criterion
 from memlm.knnlm.policy import check_policy
 
 # The development default for both tokens; refused when ``env`` is not "development".
@@ -125,9 +125,7 @@ class Settings(BaseSettings):
     # Also: usage (fewest hits of the entry's block, then most redundant), redundancy,
     # random.
     memory_budget_entries: int | None = Field(default=None, ge=0)
-    budget_criterion: Literal["usage", "redundancy", "age", "random", "spread"] = (
-        DEFAULT_BUDGET_CRITERION
-    )
+    budget_criterion: Criterion = DEFAULT_BUDGET_CRITERION
     # spread: the share of the budget that keeps the newest entries whole; the older days
     # are thinned to the same size each (memlm.memory.consolidation.spread). 0 measured
     # best: the same test ppl as 0.25 and half the forgetting over 57 days

@@ -15,16 +15,17 @@ would still be stored.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import numpy as np
 
 from memlm.knnlm.mixture import KnnParams, knn_logprob
 
-# What a memory budget retires first, and the share of it that keeps the newest entries
-# whole: the defaults of the service (Settings), the harness (EvalConfig, memlm eval) and
-# ConsolidationConfig alike. Spread with no recent share measured best
-# (docs/results/slice14d-spread, docs/results/stream57-spread).
+# What a memory budget may retire first (memlm.memory.consolidation), the default, and the
+# share of the budget that keeps the newest entries whole: for the service (Settings), the
+# harness (EvalConfig, memlm eval) and ConsolidationConfig alike. Spread with no recent
+# share measured best (docs/results/slice14d-spread, docs/results/stream57-spread).
+Criterion = Literal["usage", "redundancy", "age", "random", "spread"]
 DEFAULT_BUDGET_CRITERION: Final = "spread"
 DEFAULT_BUDGET_RECENT: Final = 0.0
 

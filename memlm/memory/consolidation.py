@@ -48,6 +48,7 @@ from memlm.knnlm import KnnParams
 from memlm.knnlm.consolidate import (
     DEFAULT_BUDGET_CRITERION,
     DEFAULT_BUDGET_RECENT,
+    Criterion,
     leave_one_out,
     retire_in_turn,
     todays_logprob,
@@ -64,7 +65,6 @@ CONSOLIDATE_CRASH_POINTS = (
     "consolidate_after_retire",  # the failures retired, the cursor not moved
     "consolidate_after_budget",  # the budget's retirements done, the cursor moved
 )
-Criterion = Literal["usage", "redundancy", "age", "random", "spread"]
 CRITERIA: tuple[str, ...] = get_args(Criterion)
 # How spread orders a day's entries (what goes first): lm, the best predicted by the LM
 # where p_LM is known (else the oldest); oldest; usage, the fewest hits of the block (then
