@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,22 @@ def _entries(rng: np.random.Generator, doc: int, n: int, day: int = 7):
     keys = rng.standard_normal((n, DIM)).astype(np.float32)
     values = rng.integers(0, 1000, n).astype(np.int32)
     return keys, values, np.full(n, doc), np.arange(n) * 2 + 1, np.full(n, day)
+
+
+def _settled(search: Callable[[], Any], tries: int = 20) -> Any:
+    """``search()``'s answer once two calls 0.5 s apart agree (at most ``tries`` more).
+
+    Right after a build re-created the collection the server may still hand segments over
+    (newly sealed and indexed) and two calls a moment apart can answer differently (in
+    CI a re-ranked recall of 0.68 once, where the settled one is >= 0.95)."""
+    last = search()
+    for _ in range(tries):
+        time.sleep(0.5)
+        now = search()
+        if now.ids.tolist() == last.ids.tolist():
+            return now
+        last = now
+    return last
 
 
 def _brute(keys: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -416,20 +434,18 @@ def test_each_milvus_index_kind_builds_and_searches(
         q = rng.standard_normal((20, DIM)).astype(np.float32)
         bd, bi = _brute(keys, q, 10)
         want = entry_ids(np.full(3000, 3), pos)[bi]
-        dist, ids, _ = reader.search(q, 10)
+        dist, ids, _ = _settled(lambda: reader.search(q, 10))
         if params.kind == "ivfsq8":  # 8-bit codes: the order may differ near ties, so
             # the recall of the 10 (as sets), not the rank-by-rank match (0.88 once, in CI)
             found = [len(set(a) & set(b)) for a, b in zip(ids.tolist(), want.tolist(), strict=True)]
             assert sum(found) / want.size >= 0.9
             # a re-rank brings 40 keys a query back: answers are split to stay under gRPC's
-            # message limit (here 7 queries a call), with the same neighbours. Right after
-            # a build the server may still hand a sealed segment over between two calls
-            # (their answers then differ, split or not): compared only while the whole
-            # answer of the memory holds still across the split one.
+            # message limit (here 7 queries a call), with the same neighbours; compared
+            # only while the whole answer holds still across the split one (_settled)
             import memlm.memory.milvus_reads as mr
 
             for _ in range(10):
-                dist, ids, _ = reader.search(q, 10, depth=40)  # re-ranked from the keys
+                dist, ids, _ = _settled(lambda: reader.search(q, 10, depth=40))  # re-ranked
                 with monkeypatch.context() as m:
                     m.setattr(mr, "REPLY_BYTES", 7 * 40 * (4 * DIM + mr.HIT_BYTES))
                     split = reader.search(q, 10, depth=40)
