@@ -355,6 +355,49 @@ def test_the_engines_rerank_depth_reaches_every_memory_search(tmp_path, encoder,
         Engine.open(tmp_path / "other", encoder=encoder, rerank_depth=0)
 
 
+def test_the_ingest_rerank_depth_serves_the_decision_alone(tmp_path, encoder, monkeypatch):
+    """``ingest_rerank_depth`` re-ranks MoNIM's decision while ingesting; /score, /predict
+    and the held-out records (they tune what is served) keep the served depth."""
+    from memlm.calibrator.heldout import HeldOutConfig
+
+    eng = Engine.open(
+        tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        rerank_depth=96, ingest_rerank_depth=48,
+        heldout=HeldOutConfig(enabled=True, share=1.0),
+    )  # fmt: skip
+    assert eng.ingest_rerank_depth == 48
+    calls: list[tuple[int, int | None]] = []
+    search = eng.memory.search
+
+    def spy(queries, k, *, depth=None):
+        calls.append((len(queries), depth))
+        return search(queries, k, depth=depth)
+
+    monkeypatch.setattr(eng.memory, "search", spy)
+    eng.process_document(1, TEXT, 19000, policy="fullmem")
+    calls.clear()
+    prep = eng.prepare_document(2, TEXT, 19000, policy="monim")
+    assert calls[0] == (len(prep.outputs), 48)  # the decision, every token
+    assert [d for _, d in calls[1:]] == [96]  # the held-out record: its own search
+    calls.clear()
+    eng.score(TEXT, policy="monim")
+    eng.predict("The harbour authority in Port", top_n=3)
+    assert calls and {d for _, d in calls} == {96}
+    # None: the served depth for every search
+    same = Engine.open(
+        tmp_path / "same", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
+        rerank_depth=96, heldout=HeldOutConfig(enabled=True, share=1.0),
+    )  # fmt: skip
+    assert same.ingest_rerank_depth == 96
+    same.process_document(1, TEXT, 19000, policy="fullmem")
+    monkeypatch.setattr(same.memory, "search", spy)
+    calls.clear()
+    same.prepare_document(2, TEXT, 19000, policy="monim")
+    assert calls and {d for _, d in calls} == {96}
+    with pytest.raises(ValueError, match="ingest_rerank_depth"):
+        Engine.open(tmp_path / "other", encoder=encoder, ingest_rerank_depth=0)
+
+
 def test_engine_pointers_follow_the_text_the_memory_holds(tmp_path, encoder):
     eng = Engine.open(
         tmp_path / "data", encoder=encoder, knn=KnnParams(k=8, temperature=1.0, lmbda=0.5),
@@ -369,7 +412,7 @@ def test_engine_pointers_follow_the_text_the_memory_holds(tmp_path, encoder):
     full.sync()
     assert eng._follow == {}  # FullMem stores without searching
     s = eng.score(TEXT, policy="fullmem")
-    ps = eng._follow[8]
+    ps = eng._follow[(8, None)]
     n = len(s.tokens)
     assert ps.stats.tokens == n
     assert ps.stats.followed > n // 2  # the memory holds this text three times

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +10,7 @@ import pytest
 from memlm.index import IndexParams
 from memlm.memory import open_milvus
 from memlm.memory.milvus_backend import MilvusMemoryError, entry_ids
+from memlm.memory.milvus_client import utility
 
 pytestmark = pytest.mark.milvus
 
@@ -23,22 +21,6 @@ def _entries(rng: np.random.Generator, doc: int, n: int, day: int = 7):
     keys = rng.standard_normal((n, DIM)).astype(np.float32)
     values = rng.integers(0, 1000, n).astype(np.int32)
     return keys, values, np.full(n, doc), np.arange(n) * 2 + 1, np.full(n, day)
-
-
-def _settled(search: Callable[[], Any], tries: int = 20) -> Any:
-    """``search()``'s answer once two calls 0.5 s apart agree (at most ``tries`` more).
-
-    Right after a build re-created the collection the server may still hand segments over
-    (newly sealed and indexed) and two calls a moment apart can answer differently (in
-    CI a re-ranked recall of 0.68 once, where the settled one is >= 0.95)."""
-    last = search()
-    for _ in range(tries):
-        time.sleep(0.5)
-        now = search()
-        if now.ids.tolist() == last.ids.tolist():
-            return now
-        last = now
-    return last
 
 
 def _brute(keys: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -388,6 +370,45 @@ def test_sealing_every_n_rows_keeps_entries_searchable_and_forgettable(milvus_ur
         mem.close()
 
 
+def test_a_build_returns_once_its_index_serves(milvus_url: str, tmp_path: Path) -> None:
+    """Milvus hands flushed rows from their growing copy to the sealed, indexed segment in
+    the background; a build returns only once the query nodes serve exactly the written
+    segments, indexed (not the growing copy, which a search reads by brute force, nor
+    two copies of a compacted segment), on both paths: in place and re-created."""
+    rng = np.random.default_rng(5)
+    mem = open_milvus(milvus_url, DIM, root=tmp_path / "index")
+    try:
+        keys, vals, _, pos, _ = _entries(rng, 3, 2000)
+        mem.put_document(3, keys, vals, pos, 7)
+        ivf = IndexParams(kind="ivfflat", nlist=8, m=1, nprobe=8, train_size=8)
+        recreated = mem.build(ivf)
+        assert recreated.details["index_recreated"] is True
+        assert recreated.details["handed_over"] is True
+        assert mem.handed_over(recreated.details["collection"])
+        served = utility.get_query_segment_info(mem.collection.name, using=mem.alias)
+        assert sum(s.num_rows for s in served) == 2000 and all(s.index_name for s in served)
+        assert all(s.state != 2 for s in served)  # sealed: none growing
+        q = keys[:50] + 0.01
+        first = mem.search(q, 5)
+        assert (first.ids[:, 0] == entry_ids(np.full(50, 3), pos[:50])).all()
+        # in place: new rows flushed, compacted, indexed, served
+        more = _entries(rng, 4, 500)
+        mem.put_document(4, more[0], more[1], more[3], 8)
+        inplace = mem.build(ivf)
+        assert inplace.details["index_recreated"] is False
+        assert inplace.details["handed_over"] is True
+        assert mem.handed_over(mem.collection.name)
+        served = utility.get_query_segment_info(mem.collection.name, using=mem.alias)
+        # (Milvus indexes a segment of >= 1,024 rows; smaller ones are searched whole)
+        assert sum(s.num_rows for s in served) == 2500
+        assert all(s.index_name for s in served if s.num_rows >= 1024)
+        assert all(s.state != 2 for s in served)
+        found = mem.search(more[0][:20], 1)
+        assert (found.ids[:, 0] == entry_ids(np.full(20, 4), more[3][:20])).all()
+    finally:
+        mem.close()
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -434,24 +455,21 @@ def test_each_milvus_index_kind_builds_and_searches(
         q = rng.standard_normal((20, DIM)).astype(np.float32)
         bd, bi = _brute(keys, q, 10)
         want = entry_ids(np.full(3000, 3), pos)[bi]
-        dist, ids, _ = _settled(lambda: reader.search(q, 10))
+        # at once: the build returns once the query nodes serve its indexed segments
+        assert info.details["handed_over"] is True
+        dist, ids, _ = reader.search(q, 10)
         if params.kind == "ivfsq8":  # 8-bit codes: the order may differ near ties, so
             # the recall of the 10 (as sets), not the rank-by-rank match (0.88 once, in CI)
             found = [len(set(a) & set(b)) for a, b in zip(ids.tolist(), want.tolist(), strict=True)]
             assert sum(found) / want.size >= 0.9
             # a re-rank brings 40 keys a query back: answers are split to stay under gRPC's
-            # message limit (here 7 queries a call), with the same neighbours; compared
-            # only while the whole answer holds still across the split one (_settled)
+            # message limit (here 7 queries a call), with the same neighbours
             import memlm.memory.milvus_reads as mr
 
-            for _ in range(10):
-                dist, ids, _ = _settled(lambda: reader.search(q, 10, depth=40))  # re-ranked
-                with monkeypatch.context() as m:
-                    m.setattr(mr, "REPLY_BYTES", 7 * 40 * (4 * DIM + mr.HIT_BYTES))
-                    split = reader.search(q, 10, depth=40)
-                if reader.search(q, 10, depth=40).ids.tolist() == ids.tolist():
-                    break
-                time.sleep(0.5)
+            dist, ids, _ = reader.search(q, 10, depth=40)  # re-ranked
+            with monkeypatch.context() as m:
+                m.setattr(mr, "REPLY_BYTES", 7 * 40 * (4 * DIM + mr.HIT_BYTES))
+                split = reader.search(q, 10, depth=40)
             assert split.ids.tolist() == ids.tolist()
             np.testing.assert_allclose(split.distances, dist)
         assert (ids == want).mean() >= 0.95

@@ -54,6 +54,7 @@ class EngineCore:
         evidence: bool = False,
         consolidation: ConsolidationConfig | None = None,
         rerank_depth: int | None = None,
+        ingest_rerank_depth: int | None = None,
         pointers: PointerConfig | None = None,
         build_lock: ProcessLock | None = None,
     ):
@@ -69,6 +70,9 @@ class EngineCore:
         (memlm.memory.consolidation; default: off).
         ``rerank_depth``: candidates every search of this engine re-ranks exactly (None:
         the memory's default, 1,024 at the served k <= 64; ``MEMLM_RERANK_DEPTH``).
+        ``ingest_rerank_depth``: the same for the policy's decision while ingesting only
+        (None: ``rerank_depth``; ``MEMLM_INGEST_RERANK_DEPTH``); held-out records keep
+        the served depth, since they tune what /predict and /score serve.
         ``pointers``: /score and the policy's decision follow RetoMaton's pointers and
         search only where they fail (memlm.memory.pointers; ``MEMLM_POINTERS``; off by
         default)."""
@@ -76,11 +80,19 @@ class EngineCore:
         if not readonly:  # the engine's own files live here on every backend (on
             # Milvus nothing else makes it before the first build)
             self.data_dir.mkdir(parents=True, exist_ok=True)
-        if rerank_depth is not None and rerank_depth < 1:
-            raise ValueError(f"rerank_depth must be >= 1, got {rerank_depth}")
+        for name, depth in (
+            ("rerank_depth", rerank_depth),
+            ("ingest_rerank_depth", ingest_rerank_depth),
+        ):
+            if depth is not None and depth < 1:
+                raise ValueError(f"{name} must be >= 1, got {depth}")
         self.rerank_depth = rerank_depth
+        self.ingest_rerank_depth = (
+            rerank_depth if ingest_rerank_depth is None else ingest_rerank_depth
+        )
         self.pointers = pointers
-        self._follow: dict[int, PointerSearch] = {}  # by k: each learns its own threshold
+        # by (k, depth): each learns its own threshold
+        self._follow: dict[tuple[int, int | None], PointerSearch] = {}
         # encode_ahead's one slot: ((text, key_ce), the encode running on its own thread)
         self._ahead: tuple[tuple[str, bool], Future[tuple[list[int], TokenOutputs]]] | None = None
         self._ahead_pool: ThreadPoolExecutor | None = None
@@ -159,26 +171,28 @@ class EngineCore:
     # --- memory lookups --------------------------------------------------------------------
 
     def _scores(
-        self, out: TokenOutputs, served: ServedInterpolation
+        self, out: TokenOutputs, served: ServedInterpolation, depth: int | None
     ) -> tuple[TokenScores, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The augmented model's scores under the served interpolation, the lambda and the
         kNN temperature of each token (lambda 0 where the gate skips the search) and the
-        search behind them (k columns).
+        search behind them (k columns, ``depth`` candidates re-ranked).
 
         The same model answers /score and decides what MoNIM stores (docs/calibrator.md).
         """
-        return served.scores(self.encoder, out, lambda width: self._search_document(out, width))
+        return served.scores(
+            self.encoder, out, lambda width: self._search_document(out, width, depth)
+        )
 
-    def _search_document(self, out: TokenOutputs, k: int) -> Neighbours:
+    def _search_document(self, out: TokenOutputs, k: int, depth: int | None) -> Neighbours:
         """The k neighbours of a document's tokens: one search, or the pointers first."""
         if self.pointers is None:
-            return self.memory.search(out.keys, k, depth=self.rerank_depth)
-        ps = self._follow.get(k)
+            return self.memory.search(out.keys, k, depth=depth)
+        ps = self._follow.get((k, depth))
         if ps is None:
             ps = self._follow.setdefault(
-                k,
+                (k, depth),
                 PointerSearch(
-                    lambda q, kk: self.memory.search(q, kk, depth=self.rerank_depth),
+                    lambda q, kk: self.memory.search(q, kk, depth=depth),
                     self.memory.successors,
                     k,
                     self.pointers,

@@ -68,6 +68,7 @@ class Engine(
         evidence: bool = False,
         consolidation: ConsolidationConfig | None = None,
         rerank_depth: int | None = None,
+        ingest_rerank_depth: int | None = None,
         pointers: PointerConfig | None = None,
         build_lock: ProcessLock | None = None,
     ) -> Engine:
@@ -100,6 +101,7 @@ class Engine(
             evidence=evidence,
             consolidation=consolidation,
             rerank_depth=rerank_depth,
+            ingest_rerank_depth=ingest_rerank_depth,
             pointers=pointers,
             build_lock=build_lock,
         )

@@ -91,8 +91,9 @@ class IngestMixin(EngineCore):
         search: tuple[np.ndarray, np.ndarray] | None = None
         usage = None
         if pol.needs_augmented:
-            scores, _, _, (dist, ids, vals) = self._scores(out, served)
-            search = (dist, vals)
+            scores, _, _, (dist, ids, vals) = self._scores(out, served, self.ingest_rerank_depth)
+            # the held-out records tune what is served: they reuse only a served-depth search
+            search = (dist, vals) if self.ingest_rerank_depth == self.rerank_depth else None
             # usage: the search MoNIM needs anyway, counted when the document is stored
             usage = (ids, vals, out.targets)
         else:

@@ -73,6 +73,7 @@ def open_engine(settings: Settings, *, encoder: Any = None, writer: bool = True)
         encoder=encoder,
         gate_theta=settings.gate_theta,
         rerank_depth=settings.rerank_depth,
+        ingest_rerank_depth=settings.ingest_rerank_depth,
         pointers=None if settings.pointers is None else PointerConfig(min_hits=settings.pointers),
         heldout=HeldOutConfig(
             enabled=settings.calibrator_training,  # a read-only engine never records

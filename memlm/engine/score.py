@@ -64,7 +64,7 @@ class ScoreMixin(EngineCore):
         pol = self._policy(policy)
         served = self.served  # the same interpolation scores the text and decides would_store
         out = self._encode_ids(list(ids), pol.needs_key_ce)
-        scores, lam, temps, (dist, eids, vals) = self._scores(out, served)
+        scores, lam, temps, (dist, eids, vals) = self._scores(out, served, self.rerank_depth)
         base = out.target_logprob.astype(np.float64)
         trime = None
         if memory is not None and memory.active:

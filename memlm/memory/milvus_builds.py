@@ -16,7 +16,7 @@ from typing import Any
 
 from memlm.datastore import SimulatedCrash
 from memlm.index import IndexParams
-from memlm.memory.milvus_client import MilvusException, entry_ids, mapped, utility
+from memlm.memory.milvus_client import MilvusException, connections, entry_ids, mapped, utility
 from memlm.memory.milvus_collection import MilvusCollection
 from memlm.memory.milvus_generations import (
     drop_extra,
@@ -37,6 +37,13 @@ SWAP_CRASH_POINTS = ("after_copy", "after_switch")
 # this process already under way on it end there (a search that meets the drop fails
 # after ~0.8 s, "delegator closed", and is retried on the new one).
 DROP_GRACE_S = 1.0
+# Seconds a build waits, at most, for the query nodes to serve the sealed, indexed
+# segments of what it flushed (``wait_handed_over``); until then searches read the rows
+# from growing segments (every row found, by brute force), or from two copies of a
+# compacted segment at once.
+HANDOFF_WAIT_S = 300.0
+# Milvus's segment states (common.proto): rows still in memory, and written out.
+_GROWING, _FLUSHED = 2, 4
 
 
 class MilvusIndexed(MilvusCollection):
@@ -96,11 +103,14 @@ class MilvusIndexed(MilvusCollection):
                     log.warning("Milvus compaction skipped: %s", exc)
                 steps["compact_seconds"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            if not recreated:  # (a new generation is indexed before its switch; a
-                # compaction of its upserts may index a merged segment again afterwards,
-                # searched meanwhile by brute force: nothing to wait for)
+            if not recreated:  # (a new generation is indexed and handed over before its
+                # switch; a compaction of its upserts may index a merged segment again
+                # afterwards, searched meanwhile by brute force: nothing to wait for)
                 utility.wait_for_index_building_complete(
                     self.collection.name, using=self.alias, timeout=long_wait
+                )
+                steps["handoff_seconds"], steps["handed_over"] = self.wait_handed_over(
+                    self.collection.name, min(long_wait, HANDOFF_WAIT_S)
                 )
             self.params = want  # the index Milvus holds now, and its nprobe
             return {
@@ -146,6 +156,8 @@ class MilvusIndexed(MilvusCollection):
             removed = drop_extra(new, old, long_wait)
             utility.wait_for_index_building_complete(name, using=self.alias, timeout=long_wait)
             utility.wait_for_loading_complete(name, using=self.alias, timeout=long_wait)
+            # served from its sealed, indexed segments before the alias names it
+            handoff_s, handed_over = self.wait_handed_over(name, min(long_wait, HANDOFF_WAIT_S))
         except SimulatedCrash:
             raise
         except BaseException:
@@ -180,7 +192,45 @@ class MilvusIndexed(MilvusCollection):
             # flush, the forgotten rows deleted, the index built and loaded
             "index_seconds": round(index_s, 3),
             "switch_seconds": round(switch_s, 3),
+            "handoff_seconds": handoff_s,
+            "handed_over": handed_over,
         }
+
+    def handed_over(self, name: str) -> bool:
+        """Whether the query nodes serve ``name``'s written rows from exactly the segments
+        written out: each flushed segment loaded sealed, and no other sealed one (no copy
+        of segments a compaction merged away). Milvus loads a sealed segment once its
+        index is built (a FLAT one has none to build). Growing segments of rows appended
+        since the flush are no concern: they are not written out yet."""
+        handler = connections._fetch_handler(self.alias)  # noqa: SLF001 - no public call
+        written = {
+            s.segmentID
+            for s in handler.get_persistent_segment_infos(name, timeout=self.timeout)
+            if s.state == _FLUSHED and s.num_rows > 0
+        }
+        served = utility.get_query_segment_info(name, timeout=self.timeout, using=self.alias)
+        return {s.segmentID for s in served if s.state != _GROWING} == written
+
+    def wait_handed_over(self, name: str, timeout: float) -> tuple[float, bool]:
+        """Wait until ``handed_over(name)`` (at most ``timeout`` seconds); returns the
+        seconds waited and whether it was. Milvus hands a flushed segment from the growing
+        copy to the sealed, indexed one in the background (the query coordinator's target
+        moves every ``queryCoord.updateNextTargetInterval``, 10 s by default); a build
+        that returned before it left the first searches on the growing copy: every row
+        found, by brute force, and not the index the build reports. Not handed over in
+        time: logged, and the build goes on (searches stay correct, only slower)."""
+        t0 = time.perf_counter()
+        while not self.handed_over(name):
+            if time.perf_counter() - t0 > timeout:
+                log.warning(
+                    "Milvus collection %s: the query nodes do not serve its indexed segments "
+                    "%.0f s after the build; searches read its growing segments meanwhile",
+                    name,
+                    timeout,
+                )
+                return round(time.perf_counter() - t0, 3), False
+            time.sleep(0.2)
+        return round(time.perf_counter() - t0, 3), True
 
     def _drop_quietly(self, name: str) -> None:
         self._handles.pop(name, None)
