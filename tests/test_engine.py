@@ -478,3 +478,46 @@ def test_prepare_document_encodes_the_next_text_once_its_own_is_encoded(engine, 
     for got, want in zip([first, second], in_place, strict=True):
         np.testing.assert_array_equal(got.store, want.store)
         np.testing.assert_array_equal(got.outputs.keys, want.outputs.keys)
+
+
+def test_two_workers_of_one_engine_take_only_their_own_encodes_ahead(engine):
+    """Two ingest threads of one engine, each preparing its documents with the next one's
+    text as ``next_text``: every prepared document holds its own text's outputs (the
+    oracle: each text encoded alone), whichever thread started its encode (one slot: the
+    two threads' encodes ahead replace each other, and a prepare leaves the other's be)."""
+    import threading
+
+    words = ["harbour", "ferry", "storm", "council", "bridge", "market", "river", "school"]
+    texts = [
+        f"The {w} report number {i} was read out {i % 3 + 1} times at the {w} meeting. "
+        * (1 + i % 3)
+        for i, w in enumerate(words * 2)
+    ]
+    oracle = {t: engine._encode(t, False)[1] for t in texts}
+    queues = [texts[0::2], texts[1::2]]
+    got: dict[str, object] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(mine: list[str], first_doc: int) -> None:
+        try:
+            start.wait()
+            for j, t in enumerate(mine):
+                nxt = mine[j + 1] if j + 1 < len(mine) else None
+                prep = engine.prepare_document(
+                    first_doc + j, t, 19000, policy="monim", next_text=nxt
+                )
+                got[t] = prep.outputs
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(q, 100 * (i + 1))) for i, q in enumerate(queues)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    assert set(got) == set(texts)
+    for t in texts:
+        np.testing.assert_array_equal(got[t].keys, oracle[t].keys)
+        np.testing.assert_array_equal(got[t].targets, oracle[t].targets)

@@ -36,10 +36,16 @@ class IngestMixin(EngineCore):
             self._ahead = (key, self._ahead_pool.submit(self._encode, *key))
 
     def _encoded(self, text: str, key_ce: bool) -> tuple[list[int], TokenOutputs]:
-        """The token ids and outputs of ``text``: encode_ahead's if it started this one."""
+        """The token ids and outputs of ``text``: encode_ahead's if it started this one.
+        Another text's encode stays in the slot (a second worker of this engine started it
+        for the document it prepares next)."""
         with self._ahead_lock:
-            ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == (text, key_ce):
+            ahead = self._ahead
+            if ahead is not None and ahead[0] == (text, key_ce):
+                self._ahead = None
+            else:
+                ahead = None
+        if ahead is not None:
             return ahead[1].result()  # what encoding here would give, or raise
         return self._encode(text, key_ce)
 
