@@ -105,7 +105,8 @@ class Settings(BaseSettings):
     # The training set keeps the newest this many tokens (oldest days leave first), so it
     # and each retrain stay bounded on a long stream (64 days at the daily cap).
     calibrator_max_tokens: int = Field(default=131_072, ge=1)
-    # torch threads; honours MEMLM_THREADS, None lets torch decide.
+    # torch threads and the threads of each faiss search (on every calling thread);
+    # honours MEMLM_THREADS; None: one per core, at most 8.
     threads: int | None = Field(default=None, ge=1)
     # What the encoder's transformer runs in. auto probes once per processor and model
     # (matmul speed of each precision, perplexity within 0.5% of float32 on a bundled

@@ -521,3 +521,9 @@ def test_two_workers_of_one_engine_take_only_their_own_encodes_ahead(engine):
     for t in texts:
         np.testing.assert_array_equal(got[t].keys, oracle[t].keys)
         np.testing.assert_array_equal(got[t].targets, oracle[t].targets)
+
+
+def test_the_engines_faiss_searches_use_the_models_threads(tmp_path, encoder):
+    """MEMLM_THREADS bounds the model's threads and the memory's searches alike."""
+    eng = Engine.open(tmp_path / "data", encoder=encoder)
+    assert eng.memory.threads == encoder.threads

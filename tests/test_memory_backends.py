@@ -128,6 +128,49 @@ def test_faiss_search_depth_reaches_the_index(tmp_path: Path) -> None:
     mem.close()
 
 
+def test_faiss_searches_use_the_memorys_threads_on_every_calling_thread(tmp_path: Path) -> None:
+    """faiss's thread count is the calling thread's own (OpenMP): a count set once at
+    start-up does not reach the API's request threads nor the ingest worker's. Each search
+    and successor lookup of a memory opened with ``threads`` sets it on its caller."""
+    import threading
+
+    import faiss
+
+    default = faiss.omp_get_max_threads()
+    want = default + 1  # surely not what a new thread starts with
+    mem = open_memory(None, tmp_path / "data", 8, threads=want)
+    plain = open_memory(None, tmp_path / "plain", 8)
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((50, 8)).astype(np.float32)
+    for m in (mem, plain):
+        with m.writer():
+            m.put_document(1, keys, np.arange(50) % 5, np.arange(1, 51), DAY)
+    seen: dict[str, tuple[int, int]] = {}
+
+    def call(name: str, fn: object) -> None:
+        before = faiss.omp_get_max_threads()
+        fn()  # type: ignore[operator]
+        seen[name] = (before, faiss.omp_get_max_threads())
+
+    calls = {
+        "search": lambda: mem.search(keys[:3], 4),
+        "successors": lambda: mem.successors(keys[:3], np.zeros((3, 1), np.int64)),
+        "default": lambda: plain.search(keys[:3], 4),
+    }
+    for name, fn in calls.items():
+        th = threading.Thread(target=call, args=(name, fn))
+        th.start()
+        th.join()
+    assert seen["search"] == (default, want)
+    assert seen["successors"] == (default, want)
+    assert seen["default"] == (default, default)  # None: faiss's own default, untouched
+    assert faiss.omp_get_max_threads() == default  # this thread's count never changed
+    with pytest.raises(ValueError, match="threads"):
+        open_memory(None, tmp_path / "bad", 8, threads=0)
+    mem.close()
+    plain.close()
+
+
 def test_successors_are_the_next_position_of_the_same_document(memory: MemoryBackend) -> None:
     _, k1 = _put(memory, 1, 30, seed=1)  # positions 1..30
     _, k2 = _put(memory, 2, 30, seed=2)

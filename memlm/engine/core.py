@@ -119,6 +119,7 @@ class EngineCore:
             shared=shared,
             # refused when the store's keys were made in another precision (never mixed)
             key_precision=encoder.precision,
+            threads=encoder.threads,  # the model's and the searches' (MEMLM_THREADS)
         )
         self._write_lock = threading.Lock()  # one appender per process
         self._build_lock = threading.RLock()  # building(): this process's holder

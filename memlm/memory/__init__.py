@@ -75,13 +75,16 @@ def open_memory(
     readonly: bool = False,
     shared: bool = False,
     key_precision: str | None = None,
+    threads: int | None = None,
 ) -> MemoryBackend:
     """The memory of an engine on ``data_dir``: the faiss files under it, or the Milvus
     collection ``url`` names with its build records under it (``data_dir/index``).
 
     ``readonly``: another process writes (faiss opens the files without the write lock);
     ``shared``: one of several writer processes; ``key_precision``: the faiss datastore
-    refuses keys of another precision (Milvus holds float32 keys whatever the model's).
+    refuses keys of another precision (Milvus holds float32 keys whatever the model's);
+    ``threads``: faiss's threads of each search (``MEMLM_THREADS``; Milvus searches on
+    its server).
     """
     milvus = parse_memory_url(url)
     if milvus is not None:
@@ -94,6 +97,7 @@ def open_memory(
         readonly=readonly,
         shared=shared,
         key_precision=key_precision,
+        threads=threads,
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import numpy.typing as npt
 
@@ -48,10 +49,28 @@ class FaissMemory(MemoryBackend):
     build_crash_points = tuple(dict.fromkeys(BUILD_CRASH_POINTS + INCREMENTAL_CRASH_POINTS))
     retire_crash_points = RETIRE_CRASH_POINTS
 
-    def __init__(self, datastore: Datastore, index: MemoryIndex, *, shared: bool = False) -> None:
+    def __init__(
+        self,
+        datastore: Datastore,
+        index: MemoryIndex,
+        *,
+        shared: bool = False,
+        threads: int | None = None,
+    ) -> None:
         self.datastore = datastore
         self.index = index
         self.shared = shared  # other writer processes append to the same files
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+
+    def _own_threads(self) -> None:
+        """Search with ``threads`` OpenMP threads on the calling thread. faiss's
+        ``omp_set_num_threads`` sets only the calling thread's count: one set at start-up
+        leaves the API's request threads and the ingest worker's thread searching with one
+        thread per core whatever ``MEMLM_THREADS`` says."""
+        if self.threads is not None and faiss.omp_get_max_threads() != self.threads:
+            faiss.omp_set_num_threads(self.threads)
 
     @classmethod
     def open(
@@ -62,10 +81,13 @@ class FaissMemory(MemoryBackend):
         readonly: bool = False,
         shared: bool = False,
         key_precision: str | None = None,
+        threads: int | None = None,
     ) -> FaissMemory:
         """Open (or create) ``data_dir/datastore`` and serve ``data_dir/index``.
 
-        ``key_precision``: refuse a store whose keys were made in another precision."""
+        ``key_precision``: refuse a store whose keys were made in another precision;
+        ``threads``: OpenMP threads of each search, on whichever thread calls it (None:
+        faiss's default, one per core)."""
         ds = Datastore.open(
             Path(data_dir) / "datastore",
             dim=dim,
@@ -73,7 +95,7 @@ class FaissMemory(MemoryBackend):
             shared=shared,
             key_precision=key_precision,
         )
-        return cls(ds, MemoryIndex(ds, Path(data_dir) / "index"), shared=shared)
+        return cls(ds, MemoryIndex(ds, Path(data_dir) / "index"), shared=shared, threads=threads)
 
     @property
     def dim(self) -> int:
@@ -216,9 +238,11 @@ class FaissMemory(MemoryBackend):
     # --- reading -----------------------------------------------------------------------
 
     def search(self, queries: npt.ArrayLike, k: int, *, depth: int | None = None) -> Neighbours:
+        self._own_threads()
         return Neighbours(*self.index.search_values(queries, k, depth=depth))
 
     def successors(self, queries: npt.ArrayLike, ids: npt.ArrayLike) -> Neighbours:
+        self._own_threads()
         return Neighbours(*self.index.successors(queries, ids))
 
     def scan(self, cursor: int, limit: int) -> Scanned:
