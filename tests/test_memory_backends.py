@@ -136,7 +136,15 @@ def test_faiss_searches_use_the_memorys_threads_on_every_calling_thread(tmp_path
 
     import faiss
 
-    default = faiss.omp_get_max_threads()
+    def fresh_count() -> int:  # what a new thread starts with (this thread's own count
+        # may have been set by an earlier test on it)
+        got: list[int] = []
+        th = threading.Thread(target=lambda: got.append(faiss.omp_get_max_threads()))
+        th.start()
+        th.join()
+        return got[0]
+
+    default, mine = fresh_count(), faiss.omp_get_max_threads()
     want = default + 1  # surely not what a new thread starts with
     mem = open_memory(None, tmp_path / "data", 8, threads=want)
     plain = open_memory(None, tmp_path / "plain", 8)
@@ -164,7 +172,8 @@ def test_faiss_searches_use_the_memorys_threads_on_every_calling_thread(tmp_path
     assert seen["search"] == (default, want)
     assert seen["successors"] == (default, want)
     assert seen["default"] == (default, default)  # None: faiss's own default, untouched
-    assert faiss.omp_get_max_threads() == default  # this thread's count never changed
+    assert faiss.omp_get_max_threads() == mine  # this thread's count never changed
+    assert fresh_count() == default  # nor the one new threads start with
     with pytest.raises(ValueError, match="threads"):
         open_memory(None, tmp_path / "bad", 8, threads=0)
     mem.close()
