@@ -110,7 +110,7 @@ class MilvusIndexed(MilvusCollection):
                     self.collection.name, using=self.alias, timeout=long_wait
                 )
                 steps["handoff_seconds"], steps["handed_over"] = self.wait_handed_over(
-                    self.collection.name, min(long_wait, HANDOFF_WAIT_S)
+                    self.collection.name
                 )
             self.params = want  # the index Milvus holds now, and its nprobe
             return {
@@ -157,7 +157,7 @@ class MilvusIndexed(MilvusCollection):
             utility.wait_for_index_building_complete(name, using=self.alias, timeout=long_wait)
             utility.wait_for_loading_complete(name, using=self.alias, timeout=long_wait)
             # served from its sealed, indexed segments before the alias names it
-            handoff_s, handed_over = self.wait_handed_over(name, min(long_wait, HANDOFF_WAIT_S))
+            handoff_s, handed_over = self.wait_handed_over(name)
         except SimulatedCrash:
             raise
         except BaseException:
@@ -211,7 +211,7 @@ class MilvusIndexed(MilvusCollection):
         served = utility.get_query_segment_info(name, timeout=self.timeout, using=self.alias)
         return {s.segmentID for s in served if s.state != _GROWING} == written
 
-    def wait_handed_over(self, name: str, timeout: float) -> tuple[float, bool]:
+    def wait_handed_over(self, name: str, timeout: float = HANDOFF_WAIT_S) -> tuple[float, bool]:
         """Wait until ``handed_over(name)`` (at most ``timeout`` seconds); returns the
         seconds waited and whether it was. Milvus hands a flushed segment from the growing
         copy to the sealed, indexed one in the background (the query coordinator's target
