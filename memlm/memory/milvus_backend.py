@@ -30,6 +30,7 @@ from memlm.index.versions import next_version, publish, version_name
 from memlm.memory.base import Committed, MemoryBackend, Recovered
 from memlm.memory.milvus_builds import SWAP_CRASH_POINTS, MilvusIndexed
 from memlm.memory.milvus_client import MilvusException, MilvusMemoryError, entry_ids, mapped
+from memlm.memory.milvus_deletes import JOURNAL_FILE, DeleteJournal
 from memlm.memory.url import MilvusURL
 from memlm.memory.versions import DeletedCount, reconcile_versions
 
@@ -64,6 +65,8 @@ class MilvusMemory(MilvusIndexed, MemoryBackend):
         super().__init__(url, dim)
         self._root = None if root is None else Path(root)
         self._deleted = DeletedCount(self._root)
+        if self._root is not None:
+            self.deletes = DeleteJournal(self._root / JOURNAL_FILE)
         self._served = None if self._root is None else current_version(self._root)
 
     @property
@@ -133,7 +136,7 @@ class MilvusMemory(MilvusIndexed, MemoryBackend):
         """Delete the document's entries (``entries`` is not needed: they are found by
         document) and count the deletion, also when another process's hide deleted
         them first."""
-        held = self.delete_entries(doc_id)
+        held = self.delete_entries(doc_id, lasting=True)
         self._deleted.add()
         return held
 
@@ -141,7 +144,7 @@ class MilvusMemory(MilvusIndexed, MemoryBackend):
         """Deleted now: Milvus has no tombstone to wait for (the writer's forget then
         finds none and counts the deletion)."""
         for d in doc_ids:
-            self.delete_entries(d)
+            self.delete_entries(d, lasting=True)
         return len(doc_ids)
 
     def build(

@@ -60,6 +60,7 @@ from memlm.memory.milvus_client import (
     server_away,
     utility,
 )
+from memlm.memory.milvus_deletes import DeleteJournal
 from memlm.memory.milvus_generations import (
     generation_name,
     generations,
@@ -109,6 +110,8 @@ class MilvusCollection:
         self.server_version = str(utility.get_server_version(using=self.alias))
         self._lock = threading.Lock()  # build_index() vs itself; searches never wait for it
         self._unsealed = 0  # rows this handle wrote since it last sealed (``_sealed``)
+        # lasting deletes since the last build (a data directory's file: MilvusMemory)
+        self.deletes = DeleteJournal(None)
         self.base = url.collection
         self._handles: dict[str, Collection] = {}
         served = resolve(self.base, self.alias, self.timeout)
@@ -346,9 +349,13 @@ class MilvusCollection:
         return self._write(lambda coll: int(coll.delete(expr, timeout=self.timeout).delete_count))
 
     @mapped
-    def delete_entries(self, doc_id: int) -> int:
-        """Delete a document's entries; returns how many it held (0 when none)."""
+    def delete_entries(self, doc_id: int, *, lasting: bool = False) -> int:
+        """Delete a document's entries; returns how many it held (0 when none).
+        ``lasting`` (a forget): written to the delete journal first, so that the next
+        build deletes again what a server may lose (``memlm.memory.milvus_deletes``)."""
         doc_id = int(doc_id)
+        if lasting:
+            self.deletes.record("doc_id", [doc_id])
         held = self._count(f"doc_id == {doc_id}")
         if held:
             self._delete_expr(f"doc_id == {doc_id}")
@@ -365,7 +372,9 @@ class MilvusCollection:
     def retire(self, ids: npt.ArrayLike, *, crash_at: str | None = None) -> int:
         """Delete single entries by id (one call: nothing to crash between, so
         ``crash_at`` has no points here); returns how many were live."""
-        return self._delete_in("id", np.unique(np.asarray(ids, np.int64).reshape(-1)))
+        ids = np.unique(np.asarray(ids, np.int64).reshape(-1))
+        self.deletes.record("id", ids.tolist())  # final: kept to delete again (see above)
+        return self._delete_in("id", ids)
 
     def _delete_in(self, field: str, values: npt.NDArray[np.int64]) -> int:
         """Delete the entries whose ``field`` is one of ``values``, 1,000 values a call;

@@ -1,0 +1,126 @@
+"""The Milvus memory's lasting deletions since its last build, kept to apply again.
+
+A forget and a consolidation's retirement are final: the rows must never be served
+again. Milvus 2.3 servers before 2.3.15 may lose a delete that meets a compaction
+(the merged segment written without it: milvus-io/milvus#33015 and its kin), and then
+the rows come back to every search. So each lasting delete is written here first, and
+each build, once its compaction is done and its segments served, counts the rows these
+deletes name: any still there are deleted again (``MilvusIndexed._settle_deletes``),
+logged, and counted in the build record (``deletes_reapplied``).
+
+One JSON line a delete, ``{"field": "doc_id" | "id", "values": [...]}``, appended under
+an exclusive ``flock`` (the API, the workers and the builder may share a data
+directory); a build takes what is there and removes exactly that part, so a delete
+written meanwhile waits for the next build. Without a data directory the journal is this
+process's list. Only lasting deletes go here: the cleanup of a document whose ingest
+never committed is not one (its retry stores the same entry ids again).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FILE = "milvus-deletes.jsonl"
+FIELDS = ("doc_id", "id")
+
+
+class DeleteJournal:
+    """Lasting deletes not yet checked by a build (see the module docstring)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lines: list[str] = []  # without a path
+
+    def record(self, field: str, values: Sequence[int]) -> None:
+        """Write the delete down before it is sent (a delete that then fails is sent
+        again by the next build: deleting an absent row does nothing)."""
+        if field not in FIELDS:
+            raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
+        if not len(values):
+            return
+        line = json.dumps({"field": field, "values": [int(v) for v in values]}) + "\n"
+        if self.path is None:
+            self._lines.append(line)
+            return
+        with self._locked(os.O_RDWR | os.O_APPEND | os.O_CREAT) as fd:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = "\n" + line  # after a line a crash cut short: that one stays apart
+            os.write(fd, line.encode())
+            os.fsync(fd)
+
+    def pending(self) -> tuple[dict[str, list[int]], int]:
+        """The values each field's deletes named (sorted, distinct) and how many bytes
+        (or lines, without a file) that was: ``settle`` removes exactly those."""
+        if self.path is None:
+            lines, end = list(self._lines), len(self._lines)
+        else:
+            if not self.path.exists():
+                return {f: [] for f in FIELDS}, 0
+            with self._locked(os.O_RDONLY) as fd:
+                data = _read_all(fd)
+            end = data.rfind(b"\n") + 1  # a line cut by a crash mid-write is not read
+            lines = data[:end].decode().splitlines()
+        named: dict[str, set[int]] = {f: set() for f in FIELDS}
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                named[rec["field"]].update(int(v) for v in rec["values"])
+            except (ValueError, KeyError, TypeError):
+                if line.strip():  # a line a crash cut short: its delete was never sent
+                    log.warning("%s: skipped a damaged line %r", self.path, line[:80])
+        return {f: sorted(v) for f, v in named.items()}, end
+
+    def settle(self, end: int) -> None:
+        """Remove what ``pending`` read (its ``end``); later lines stay. The one builder
+        calls it (two settling at once could remove a line twice)."""
+        if self.path is None:
+            del self._lines[:end]
+            return
+        if end == 0 or not self.path.exists():
+            return
+        with self._locked(os.O_RDONLY) as fd:
+            rest = _read_all(fd)[end:]
+            # a new file renamed over this one (a crash leaves the one or the other whole);
+            # a writer waiting for the lock on the old file opens the new one (``_locked``)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_bytes(rest)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+    @contextmanager
+    def _locked(self, flags: int) -> Iterator[int]:
+        """The journal open and locked: opened again where ``settle`` replaced the file
+        while this waited for the lock."""
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, flags, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,77 @@
+"""The Milvus memory's delete journal (memlm.memory.milvus_deletes): what a build takes
+and removes, what is written meanwhile stays, damaged lines, writers racing a settle."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from memlm.memory.milvus_deletes import DeleteJournal
+
+
+@pytest.fixture(params=["file", "memory"])
+def journal(request: pytest.FixtureRequest, tmp_path: Path) -> DeleteJournal:
+    return DeleteJournal(tmp_path / "d" / "j.jsonl" if request.param == "file" else None)
+
+
+def test_a_settle_removes_what_was_read_and_keeps_what_came_after(journal: DeleteJournal) -> None:
+    assert journal.pending() == ({"doc_id": [], "id": []}, 0)
+    journal.record("doc_id", [5])
+    journal.record("id", [7, 3, 7])
+    journal.record("doc_id", [])  # nothing to write
+    named, end = journal.pending()
+    assert named == {"doc_id": [5], "id": [3, 7]}
+    journal.record("doc_id", [9])  # after the read: the next build's
+    journal.settle(end)
+    assert journal.pending()[0] == {"doc_id": [9], "id": []}
+    with pytest.raises(ValueError, match="field"):
+        journal.record("day", [1])
+
+
+def test_a_line_a_crash_cut_short_is_skipped_and_the_next_stays_whole(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    journal = DeleteJournal(path)
+    journal.record("doc_id", [1])
+    with path.open("a") as f:  # a writer killed mid-line: its delete was never sent
+        f.write('{"field": "doc_id", "val')
+    assert journal.pending()[0]["doc_id"] == [1]  # the cut line is not read yet
+    journal.record("id", [4])  # starts a line of its own
+    named, end = journal.pending()
+    assert named == {"doc_id": [1], "id": [4]}
+    journal.settle(end)
+    assert path.read_text() == ""
+
+
+def test_writers_racing_settles_lose_nothing_and_settle_nothing_twice(tmp_path: Path) -> None:
+    """Four writers (each its own handle: as processes on one data directory) append
+    while a builder takes and settles, again and again: every value is taken exactly
+    once, by a settle or by the last read."""
+    path = tmp_path / "j.jsonl"
+    taken: list[int] = []
+    done = threading.Event()
+
+    def write(w: int) -> None:
+        j = DeleteJournal(path)
+        for i in range(150):
+            j.record("id", [w * 1000 + i])
+
+    def build() -> None:
+        j = DeleteJournal(path)
+        while not done.is_set():
+            named, end = j.pending()
+            j.settle(end)
+            taken.extend(named["id"])
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    builder.join()
+    taken.extend(DeleteJournal(path).pending()[0]["id"])
+    assert sorted(taken) == sorted(w * 1000 + i for w in range(4) for i in range(150))
