@@ -201,9 +201,9 @@ class MilvusIndexed(MilvusCollection):
     def _settle_deletes(self) -> int:
         """Delete again the rows that the journal's lasting deletes named and the served
         collection still holds (a server lost the delete, in a compaction); returns how
-        many rows that was. Those deletes are written down again, for the next build to
-        check after its own compaction; the others leave the journal
-        (``memlm.memory.milvus_deletes``)."""
+        many rows that was. Each group of (at most 1,000) values in which rows were found
+        is written down again, for the next build to check after its own compaction; the
+        others leave the journal (``memlm.memory.milvus_deletes``)."""
         named, end = self.deletes.pending()
         found = 0
         again: dict[str, list[int]] = {}
