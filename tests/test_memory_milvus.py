@@ -494,7 +494,8 @@ def test_a_build_deletes_again_what_a_server_lost(
 ) -> None:
     """A forget (from another handle on the same data directory) and a retirement whose
     deletes the server lost (Milvus 2.3 before 2.3.15 may, in a compaction: here the
-    delete is never sent) are deleted again by the next build, in place or re-created
+    delete is never sent) are hidden from searches at once, and deleted again by the next
+    build, in place or re-created
     (after its compaction, on the generation it serves), and counted in its record; a
     group of values in which rows were found is checked once more by the build after,
     then dropped. The cleanup of
@@ -527,6 +528,9 @@ def test_a_build_deletes_again_what_a_server_lost(
         mem.build()
         lost(1, ids[2][:40])
         assert mem.count() == 900  # still there: lost
+        gone(ids[1], ids[2][:40])  # but hidden from searches at once (the journal)
+        after = mem.successors(held[1][0][:1], ids[1][:3].reshape(1, 3) - 1)  # pointers too
+        assert (after.ids == -1).all()
         # an ingest try rolled back (not lasting), then its retry stores the same ids
         mem.delete_entries(3)
         mem.put_document(3, held[3][0], held[3][1], held[3][3], 7)

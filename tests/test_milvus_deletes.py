@@ -75,3 +75,18 @@ def test_writers_racing_settles_lose_nothing_and_settle_nothing_twice(tmp_path: 
     builder.join()
     taken.extend(DeleteJournal(path).pending()[0]["id"])
     assert sorted(taken) == sorted(w * 1000 + i for w in range(4) for i in range(150))
+
+
+def test_what_searches_hide_follows_the_journal(journal: DeleteJournal) -> None:
+    docs, ids = journal.named()
+    assert docs.size == ids.size == 0
+    journal.record("doc_id", [4])
+    journal.record("id", [9, 2])
+    docs, ids = journal.named()
+    assert docs.tolist() == [4] and ids.tolist() == [2, 9]
+    assert journal.named()[0] is docs  # unchanged: not read again
+    _, end = journal.pending()
+    journal.record("doc_id", [6])
+    journal.settle(end)
+    docs, ids = journal.named()
+    assert docs.tolist() == [6] and ids.size == 0

@@ -50,6 +50,7 @@ __all__ = [
     "Collection",
     "MilvusException",
     "MilvusMemoryError",
+    "POSITION_BITS",
     "connections",
     "entry_ids",
     "mapped",

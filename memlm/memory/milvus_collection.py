@@ -49,6 +49,7 @@ from memlm.index import IndexParams
 from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
+    POSITION_BITS,
     Collection,
     MilvusException,
     MilvusMemoryError,
@@ -484,7 +485,32 @@ class MilvusCollection:
                 part.ids,
                 part.values,
             )
-        return out
+        return self._hide_deleted(out)
+
+    def _hide_deleted(self, found: Neighbours) -> Neighbours:
+        """``found`` without the entries that the delete journal names (forgotten or
+        retired, not yet settled by a build): none where the server applied the deletes;
+        where it lost one, the row's others move up and it ends padded (inf, -1, -1)."""
+        docs, ids = self.deletes.named()
+        if not (docs.size or ids.size):
+            return found
+        dead = (found.ids >= 0) & (
+            np.isin(found.ids >> POSITION_BITS, docs) | np.isin(found.ids, ids)
+        )
+        if not dead.any():
+            return found
+        log.warning(
+            "Milvus collection %s served %d deleted entries (a delete the server lost): hidden",
+            self.collection.name,
+            int(dead.sum()),
+        )
+        order = np.argsort(dead, axis=1, kind="stable")  # the kept first, in their order
+        pad = np.take_along_axis(dead, order, 1)
+        dist = np.take_along_axis(found.distances, order, 1)
+        hit = np.take_along_axis(found.ids, order, 1)
+        val = np.take_along_axis(found.values, order, 1)
+        dist[pad], hit[pad], val[pad] = np.inf, -1, -1
+        return Neighbours(dist, hit, val)
 
     @mapped
     def scan(self, cursor: int, limit: int) -> Scanned:
@@ -498,7 +524,9 @@ class MilvusCollection:
         prev = np.asarray(ids, np.int64)
         if q.ndim != 2 or q.shape[1] != self.dim or prev.shape[:1] != q.shape[:1]:
             raise ValueError(f"queries {q.shape} and ids {prev.shape} do not match")
-        return successors_in(self.collection, q, prev, self.url.consistency, self.timeout)
+        return self._hide_deleted(
+            successors_in(self.collection, q, prev, self.url.consistency, self.timeout)
+        )
 
     @mapped
     def live_days(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:

@@ -6,7 +6,9 @@ again. Milvus 2.3 servers before 2.3.15 may lose a delete that meets a compactio
 the rows come back to every search. So each lasting delete is written here first, and
 each build, once its compaction is done and its segments served, counts the rows these
 deletes name: any still there are deleted again (``MilvusIndexed._settle_deletes``),
-logged, and counted in the build record (``deletes_reapplied``).
+logged, and counted in the build record (``deletes_reapplied``). Until a build settles
+them, searches hide every entry the journal names (``MilvusCollection.search`` and
+``successors``): a forget is not served again, whatever the server did with its delete.
 
 One JSON line a delete, ``{"field": "doc_id" | "id", "values": [...]}``, appended under
 an exclusive ``flock`` (the API, the workers and the builder may share a data
@@ -22,14 +24,19 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "milvus-deletes.jsonl"
 FIELDS = ("doc_id", "id")
+_NONE = np.zeros(0, np.int64)
 
 
 class DeleteJournal:
@@ -38,6 +45,35 @@ class DeleteJournal:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._lines: list[str] = []  # without a path
+        self._edits = 0  # changes to ``_lines``
+        # ``named``'s answer, and the file's (inode, size, mtime) or the list's length it
+        # was read at
+        self._named: tuple[object, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
+            None,
+            (_NONE, _NONE),
+        )
+        self._named_lock = threading.Lock()
+
+    def named(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(documents, entry ids) the journal names now, sorted: what searches hide
+        until a build settles them (``MilvusCollection.search``). Read again only when
+        the file changed (one ``stat`` a call)."""
+        if self.path is None:
+            stamp: object = self._edits
+        else:
+            try:
+                st = self.path.stat()
+            except FileNotFoundError:
+                return _NONE, _NONE
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        seen, answer = self._named
+        if seen == stamp:
+            return answer
+        with self._named_lock:
+            values = self.pending()[0]
+            answer = tuple(np.array(values[f], np.int64) for f in FIELDS)  # type: ignore[assignment]
+            self._named = (stamp, answer)
+        return answer
 
     def record(self, field: str, values: Sequence[int]) -> None:
         """Write the delete down before it is sent (a delete that then fails is sent
@@ -49,6 +85,7 @@ class DeleteJournal:
         line = json.dumps({"field": field, "values": [int(v) for v in values]}) + "\n"
         if self.path is None:
             self._lines.append(line)
+            self._edits += 1
             return
         with self._locked(os.O_RDWR | os.O_APPEND | os.O_CREAT) as fd:
             size = os.fstat(fd).st_size
@@ -84,6 +121,7 @@ class DeleteJournal:
         calls it (two settling at once could remove a line twice)."""
         if self.path is None:
             del self._lines[:end]
+            self._edits += 1
             return
         if end == 0 or not self.path.exists():
             return
