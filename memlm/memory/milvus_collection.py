@@ -412,7 +412,20 @@ class MilvusCollection:
         yield from self._pages(self.collection, batch_size)
 
     def _pages(self, coll: Collection, batch_size: int = 2048) -> Iterator[Page]:
-        return pages(coll, self.dim, batch_size, self.timeout)
+        """``coll``'s rows a page at a time, without those the delete journal names (a
+        backup, a migration and a re-created generation's copy never carry a delete the
+        server lost)."""
+        for page in pages(coll, self.dim, batch_size, self.timeout):
+            docs, ids = self.deletes.named()
+            if not (docs.size or ids.size):
+                yield page
+                continue
+            keys, values, documents, positions, days = page
+            keep = ~(np.isin(documents, docs) | np.isin(entry_ids(documents, positions), ids))
+            if keep.all():
+                yield page
+            elif keep.any():
+                yield keys[keep], values[keep], documents[keep], positions[keep], days[keep]
 
     def unavailable(self) -> str | None:
         """Why no search can run now: the server away, no collection, or the served one
