@@ -20,29 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_consolidation import DIM, PARAMS, _fill  # noqa: E402
+from test_consolidation import DIM, forget_racing_consolidation  # noqa: E402
 
 from memlm.memory import open_memory  # noqa: E402
-from memlm.memory.consolidation import ConsolidationConfig, consolidate  # noqa: E402
-from memlm.memory.usage import Usage  # noqa: E402
 
 
 def one(server: str, results: list[str]) -> None:
     url = f"milvus://{server}/s_{uuid.uuid4().hex[:10]}?consistency=Strong&timeout=60"
     mem = open_memory(url, Path(tempfile.mkdtemp()) / "data", DIM)
     try:
-        docs = _fill(mem)
-        scan = mem.scan
-
-        def scan_then_forget(cursor: int, limit: int):  # type: ignore[no-untyped-def]
-            out = scan(cursor, limit)
-            with mem.writer():
-                mem.delete_document(1)
-            return out
-
-        mem.scan = scan_then_forget  # type: ignore[method-assign]
-        consolidate(mem, ConsolidationConfig(sample=100), PARAMS, Usage())
-        del mem.scan
+        docs, _ = forget_racing_consolidation(mem)
         info = mem.build()
         mem.reload()
         probes = []

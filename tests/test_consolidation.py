@@ -16,6 +16,7 @@ from memlm.memory import MemoryBackend, open_memory
 from memlm.memory.consolidation import (
     CONSOLIDATE_CRASH_POINTS,
     ConsolidationConfig,
+    ConsolidationReport,
     consolidate,
     read_cursor,
     spread,
@@ -161,9 +162,11 @@ def test_a_crash_at_each_point_counts_nothing_twice(
         mem.close()
 
 
-def test_a_forget_racing_consolidation_never_brings_entries_back(memory: MemoryBackend) -> None:
-    """Document 1 is forgotten after consolidation read its window, before it retires:
-    its entries stay gone, and are counted by neither."""
+def forget_racing_consolidation(
+    memory: MemoryBackend,
+) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], ConsolidationReport]:
+    """The three documents stored, then consolidated; document 1 forgotten after the
+    consolidation read its window (also scripts/stress_milvus_forget.py)."""
     docs = _fill(memory)
     scan = memory.scan
 
@@ -174,8 +177,16 @@ def test_a_forget_racing_consolidation_never_brings_entries_back(memory: MemoryB
         return out
 
     memory.scan = scan_then_forget  # type: ignore[method-assign]
-    rep = consolidate(memory, ConsolidationConfig(sample=100), PARAMS, Usage())
-    del memory.scan
+    try:
+        return docs, consolidate(memory, ConsolidationConfig(sample=100), PARAMS, Usage())
+    finally:
+        del memory.scan
+
+
+def test_a_forget_racing_consolidation_never_brings_entries_back(memory: MemoryBackend) -> None:
+    """Document 1 is forgotten after consolidation read its window, before it retires:
+    its entries stay gone, and are counted by neither."""
+    docs, rep = forget_racing_consolidation(memory)
     # searched after the forget, document 1's near-copies have no neighbours left to
     # make them redundant (they pass); document 2's 3 of 4 fail and are retired
     assert rep.failed == 3 and rep.retired["test"] == 3
