@@ -6,8 +6,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from memlm.memory.base import Neighbours
+from memlm.memory.milvus_client import entry_ids
 from memlm.memory.milvus_deletes import DeleteJournal
 
 
@@ -90,3 +93,35 @@ def test_what_searches_hide_follows_the_journal(journal: DeleteJournal) -> None:
     journal.settle(end)
     docs, ids = journal.named()
     assert docs.tolist() == [6] and ids.size == 0
+
+
+def test_searches_and_pages_lose_exactly_the_entries_it_names(journal: DeleteJournal) -> None:
+    """``hide``: the named entries leave each row, the others keep their order and move
+    up, the row ends padded; ``without``: a page's rows less the named ones."""
+    ids = entry_ids(np.array([[1, 2, 3, 2], [3, 3, 1, 5]]), np.array([[4, 1, 2, 6], [9, 2, 3, 1]]))
+    ids[1, 3] = -1  # a row padded already
+    found = Neighbours(
+        np.array([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, np.inf]], np.float32),
+        ids,
+        np.array([[10, 20, 30, 40], [50, 60, 70, -1]], np.int32),
+    )
+    assert journal.hide(found) == (found, 0)  # nothing named: the same object
+    journal.record("doc_id", [2])
+    journal.record("id", [int(ids[1, 0])])  # document 3, position 9
+    kept, hidden = journal.hide(found)
+    assert hidden == 3
+    assert kept.ids.tolist() == [[ids[0, 0], ids[0, 2], -1, -1], [ids[1, 1], ids[1, 2], -1, -1]]
+    assert kept.values.tolist() == [[10, 30, -1, -1], [60, 70, -1, -1]]
+    np.testing.assert_allclose(kept.distances[:, :2], [[0.1, 0.3], [0.6, 0.7]])
+    assert np.isinf(kept.distances[:, 2:]).all()
+    page = (
+        np.arange(8, dtype=np.float32).reshape(4, 2),
+        np.array([1, 2, 3, 4], np.int32),
+        np.array([1, 2, 3, 3]),
+        np.array([4, 1, 9, 2], np.int32),
+        np.array([7, 7, 8, 8], np.int32),
+    )
+    rest = journal.without(page)
+    assert rest is not None
+    assert rest[1].tolist() == [1, 4] and rest[0].tolist() == [[0, 1], [6, 7]]
+    assert journal.without(tuple(a[1:3] for a in page)) is None  # type: ignore[arg-type]

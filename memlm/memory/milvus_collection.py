@@ -49,7 +49,6 @@ from memlm.index import IndexParams
 from memlm.memory.base import Neighbours, Provenance, Scanned, empty_neighbours
 from memlm.memory.milvus_client import (
     FIELDS,
-    POSITION_BITS,
     Collection,
     MilvusException,
     MilvusMemoryError,
@@ -416,16 +415,9 @@ class MilvusCollection:
         backup, a migration and a re-created generation's copy never carry a delete the
         server lost)."""
         for page in pages(coll, self.dim, batch_size, self.timeout):
-            docs, ids = self.deletes.named()
-            if not (docs.size or ids.size):
-                yield page
-                continue
-            keys, values, documents, positions, days = page
-            keep = ~(np.isin(documents, docs) | np.isin(entry_ids(documents, positions), ids))
-            if keep.all():
-                yield page
-            elif keep.any():
-                yield keys[keep], values[keep], documents[keep], positions[keep], days[keep]
+            kept = self.deletes.without(page)
+            if kept is not None:
+                yield kept
 
     def unavailable(self) -> str | None:
         """Why no search can run now: the server away, no collection, or the served one
@@ -504,26 +496,14 @@ class MilvusCollection:
         """``found`` without the entries that the delete journal names (forgotten or
         retired, not yet settled by a build): none where the server applied the deletes;
         where it lost one, the row's others move up and it ends padded (inf, -1, -1)."""
-        docs, ids = self.deletes.named()
-        if not (docs.size or ids.size):
-            return found
-        dead = (found.ids >= 0) & (
-            np.isin(found.ids >> POSITION_BITS, docs) | np.isin(found.ids, ids)
-        )
-        if not dead.any():
-            return found
-        log.warning(
-            "Milvus collection %s served %d deleted entries (a delete the server lost): hidden",
-            self.collection.name,
-            int(dead.sum()),
-        )
-        order = np.argsort(dead, axis=1, kind="stable")  # the kept first, in their order
-        pad = np.take_along_axis(dead, order, 1)
-        dist = np.take_along_axis(found.distances, order, 1)
-        hit = np.take_along_axis(found.ids, order, 1)
-        val = np.take_along_axis(found.values, order, 1)
-        dist[pad], hit[pad], val[pad] = np.inf, -1, -1
-        return Neighbours(dist, hit, val)
+        kept, hidden = self.deletes.hide(found)
+        if hidden:
+            log.warning(
+                "Milvus collection %s served %d deleted entries (a delete the server lost): hidden",
+                self.collection.name,
+                hidden,
+            )
+        return kept
 
     @mapped
     def scan(self, cursor: int, limit: int) -> Scanned:

@@ -32,6 +32,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from memlm.memory.base import Neighbours
+from memlm.memory.milvus_client import POSITION_BITS, entry_ids
+from memlm.memory.milvus_reads import Page
+
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "milvus-deletes.jsonl"
@@ -93,6 +97,40 @@ class DeleteJournal:
                 line = "\n" + line  # after a line a crash cut short: that one stays apart
             os.write(fd, line.encode())
             os.fsync(fd)
+
+    def hide(self, found: Neighbours) -> tuple[Neighbours, int]:
+        """``found`` without the entries this journal names, and how many it held (0
+        where the server applied the deletes); a row that held some has its others
+        moved up and ends padded (inf, -1, -1)."""
+        docs, ids = self.named()
+        if not (docs.size or ids.size):
+            return found, 0
+        dead = (found.ids >= 0) & (
+            np.isin(found.ids >> POSITION_BITS, docs) | np.isin(found.ids, ids)
+        )
+        hidden = int(dead.sum())
+        if not hidden:
+            return found, 0
+        order = np.argsort(dead, axis=1, kind="stable")  # the kept first, in their order
+        pad = np.take_along_axis(dead, order, 1)
+        dist = np.take_along_axis(found.distances, order, 1)
+        hit = np.take_along_axis(found.ids, order, 1)
+        val = np.take_along_axis(found.values, order, 1)
+        dist[pad], hit[pad], val[pad] = np.inf, -1, -1
+        return Neighbours(dist, hit, val), hidden
+
+    def without(self, page: Page) -> Page | None:
+        """``page``'s rows less those this journal names (None: none left)."""
+        docs, ids = self.named()
+        if not (docs.size or ids.size):
+            return page
+        keys, values, documents, positions, days = page
+        keep = ~(np.isin(documents, docs) | np.isin(entry_ids(documents, positions), ids))
+        if keep.all():
+            return page
+        if not keep.any():
+            return None
+        return keys[keep], values[keep], documents[keep], positions[keep], days[keep]
 
     def pending(self) -> tuple[dict[str, list[int]], int]:
         """The values each field's deletes named (sorted, distinct) and how many bytes
