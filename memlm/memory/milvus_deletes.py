@@ -8,7 +8,9 @@ each build, once its compaction is done and its segments served, counts the rows
 deletes name: any still there are deleted again (``MilvusIndexed._settle_deletes``),
 logged, and counted in the build record (``deletes_reapplied``). Until a build settles
 them, searches hide every entry the journal names (``MilvusCollection.search`` and
-``successors``): a forget is not served again, whatever the server did with its delete.
+``successors``: ``hide``), and pages read for a backup, a migration or a re-created
+generation's copy leave them out (``without``): a forget is not served again, whatever
+the server did with its delete.
 
 One JSON line a delete, ``{"field": "doc_id" | "id", "values": [...]}``, appended under
 an exclusive ``flock`` (the API, the workers and the builder may share a data
