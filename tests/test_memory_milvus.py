@@ -553,10 +553,18 @@ def test_a_build_deletes_again_what_a_server_lost(
         gone(ids[1], ids[2])
         assert mem.deletes.pending()[0] == {"doc_id": [], "id": []}  # settled
         lost(3)  # and in place once more: found, deleted, checked by the build after
-        inplace = mem.build(ivf)
+        flush = mem.flush
+
+        def flush_after_a_retire() -> float:  # a delete sent during the build stays
+            other.deletes.record("id", [7])  # (an id no entry has: nothing to find)
+            return flush()
+
+        with monkeypatch.context() as m:
+            m.setattr(mem, "flush", flush_after_a_retire)
+            inplace = mem.build(ivf)
         assert inplace.details["index_recreated"] is False
         assert inplace.details["deletes_reapplied"] == 300
-        assert mem.deletes.pending()[0] == {"doc_id": [3], "id": []}
+        assert mem.deletes.pending()[0] == {"doc_id": [3], "id": [7]}
         again = mem.build(ivf)
         assert again.details["deletes_reapplied"] == 0
         assert mem.deletes.pending()[0] == {"doc_id": [], "id": []}

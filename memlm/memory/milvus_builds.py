@@ -76,6 +76,9 @@ class MilvusIndexed(MilvusCollection):
         long_wait = math.ceil(max(self.timeout, 600))
         with self._lock:
             t0 = time.perf_counter()
+            # the deletes sent before this build's flush: its compaction takes them in
+            # (or loses them: found after it); those sent later stay for the next build
+            before = self.deletes.pending()[1]
             self._follow()  # what the alias names now (another process may have switched)
             n = self.count()
             want = params or self.params_for(n)
@@ -114,7 +117,7 @@ class MilvusIndexed(MilvusCollection):
                 )
             self.params = want  # the index Milvus holds now, and its nprobe
             # the compaction done and its segments served: rows a lost delete left
-            steps["deletes_reapplied"] = self._settle_deletes()
+            steps["deletes_reapplied"] = self._settle_deletes(before)
             return {
                 "backend": self.name,
                 "entries": n,
@@ -198,13 +201,15 @@ class MilvusIndexed(MilvusCollection):
             "handed_over": handed_over,
         }
 
-    def _settle_deletes(self) -> int:
+    def _settle_deletes(self, before: int) -> int:
         """Delete again the rows that the journal's lasting deletes named and the served
         collection still holds (a server lost the delete, in a compaction); returns how
         many rows that was. Each group of (at most 1,000) values in which rows were found
         is written down again, for the next build to check after its own compaction; the
-        others leave the journal (``memlm.memory.milvus_deletes``)."""
-        named, end = self.deletes.pending()
+        others written ``before`` the build (the journal's ``pending`` end then) leave the
+        journal (``memlm.memory.milvus_deletes``): its compaction took them in. A delete
+        sent during the build may have met its compaction and stays for the next one."""
+        named, _ = self.deletes.pending()
         found = 0
         again: dict[str, list[int]] = {}
         for field, values in named.items():
@@ -217,7 +222,7 @@ class MilvusIndexed(MilvusCollection):
                     again.setdefault(field, []).extend(part)
         for field, part in again.items():  # before the settle: a crash keeps them
             self.deletes.record(field, part)
-        self.deletes.settle(end)
+        self.deletes.settle(before)
         if found:
             log.warning(
                 "Milvus collection %s served %d rows that forgets or retirements had deleted "
