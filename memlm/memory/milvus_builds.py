@@ -213,11 +213,8 @@ class MilvusIndexed(MilvusCollection):
         found = 0
         again: dict[str, list[int]] = {}
         for field, values in named.items():
-            for a in range(0, len(values), 1000):
-                part = values[a : a + 1000]
-                n = self._count(f"{field} in {part}")
+            for part, n in self._delete_groups(field, values):
                 if n:
-                    self._delete_expr(f"{field} in {part}")
                     found += n
                     again.setdefault(field, []).extend(part)
         for field, part in again.items():  # before the settle: a crash keeps them

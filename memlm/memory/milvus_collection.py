@@ -376,17 +376,21 @@ class MilvusCollection:
         self.deletes.record("id", ids.tolist())  # final: kept to delete again (see above)
         return self._delete_in("id", ids)
 
-    def _delete_in(self, field: str, values: npt.NDArray[np.int64]) -> int:
+    def _delete_in(self, field: str, values: npt.ArrayLike) -> int:
         """Delete the entries whose ``field`` is one of ``values``, 1,000 values a call;
         returns how many were live."""
-        total = 0
+        return sum(n for _, n in self._delete_groups(field, values))
+
+    def _delete_groups(self, field: str, values: npt.ArrayLike) -> Iterator[tuple[list[int], int]]:
+        """``_delete_in``, a group of (at most) 1,000 values at a time: each group and how
+        many live entries it deleted."""
+        values = np.asarray(values, np.int64)
         for a in range(0, len(values), 1000):
             part = values[a : a + 1000].tolist()
             n = self._count(f"{field} in {part}")
             if n:
                 self._delete_expr(f"{field} in {part}")
-                total += n
-        return total
+            yield part, n
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ class DeleteJournal:
             return answer
         with self._named_lock:
             values = self.pending()[0]
-            answer = tuple(np.array(values[f], np.int64) for f in FIELDS)  # type: ignore[assignment]
+            answer = np.array(values["doc_id"], np.int64), np.array(values["id"], np.int64)
             self._named = (stamp, answer)
         return answer
 
