@@ -21,12 +21,20 @@ them against that memory.
         --start 2017-02-13 --days 10 --max-docs-per-day 20 --threads 1
 
 The encode (bfloat16, one thread) fills the cache the first time; later runs read it.
+
+At the whole stream's size: ``--memory RUN/work/fullmem --split RUN/split.json`` searches
+the memory a ``memlm eval`` run kept (its datastore and the last index it built, e.g.
+2.5M entries under IVF-PQ) with the held-out documents of that run's split, instead of
+building a slice's memory. The exact ground truth then costs a flat index over every
+entry (float32 in RAM: 5.8 GB at 2.5M) and is only built with ``--truth``; without it,
+recall is measured against the default depth's ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import tempfile
 import time
 from collections.abc import Sequence
@@ -43,7 +51,10 @@ from memlm.corpus import load_corpus
 from memlm.datastore import Datastore
 from memlm.encoder import Encoder, TokenOutputs, WindowConfig
 from memlm.evaluate import TokenCache, plan_stream
+from memlm.evaluate.plan import plan_from_split
 from memlm.index import FLAT_THRESHOLD, IndexParams, MemoryIndex, build_index
+from memlm.index.params import BuildInfo
+from memlm.index.versions import current_version, version_name
 from memlm.knnlm import KnnParams
 from memlm.knnlm.policy import make_policy, token_scores
 from memlm.memory.pointers import PointerConfig, PointerSearch
@@ -119,39 +130,61 @@ def main() -> None:
     ap.add_argument("--held-docs", type=int, default=None, help="the first N dev and N test")
     ap.add_argument("--ingest-docs", type=int, default=None, help="the last day's first N")
     ap.add_argument("--pointer-hits-large", default="16", help="pointer settings at k > 64")
+    ap.add_argument("--memory", type=Path, default=None, help="an eval run's kept memory")
+    ap.add_argument("--split", type=Path, default=None, help="that run's split.json")
+    ap.add_argument("--truth", action="store_true", help="with --memory: exact ground truth")
+    ap.add_argument("--no-pointers", action="store_true", help="the depth table only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     print(f"load average before: {load_average()}")
     enc = Encoder.load("smollm2-135m", threads=args.threads, precision="bfloat16")
-    plans = plan_stream(
-        load_corpus("news"),
-        days=args.days,
-        start=dt.date.fromisoformat(args.start),
-        max_docs_per_day=args.max_docs_per_day,
-    )
+    if args.split is not None:  # the run's own plan, every day of it
+        plans = plan_from_split(load_corpus("news"), json.loads(args.split.read_text()))
+    else:
+        plans = plan_stream(
+            load_corpus("news"),
+            days=args.days,
+            start=dt.date.fromisoformat(args.start),
+            max_docs_per_day=args.max_docs_per_day,
+        )
     cache = TokenCache(enc, WindowConfig())
     memory_docs = [d for p in plans[:-1] for d in p.train]
-    mem_outs = cache.get_many([d.text for d in memory_docs])
     ingest = cache.get_many([d.text for d in plans[-1].train][: args.ingest_docs])
     dev = cache.get_many([d.text for p in plans for d in p.dev][: args.held_docs])
     test = cache.get_many([d.text for p in plans for d in p.test][: args.held_docs])
     held = dev + test
     tmp = tempfile.TemporaryDirectory()
     work = args.workdir or Path(tmp.name)
-    ds = Datastore.open(work / "ds", dim=enc.dim)
-    if len(ds) == 0:
-        for doc, o in enumerate(mem_outs):
-            ds.append(o.keys.astype(np.float16), o.targets.astype(np.int32), doc, o.positions, 0)
-    n = len(ds)
-    params = IndexParams.for_size(max(n, FLAT_THRESHOLD), ds.dim)
-    for root, p in (("ivfpq", params), ("exact", IndexParams.exact())):
-        if not (work / root / "CURRENT").exists():
-            t0 = time.perf_counter()
-            build_index(ds, work / root, p, progress=False, threads=args.threads)
-            print(f"built {root} over {n} entries in {time.perf_counter() - t0:.1f} s")
-    index = MemoryIndex(ds, work / "ivfpq")
-    exact = MemoryIndex(ds, work / "exact")
+    if args.memory is not None:  # the run's memory as it stands, read only
+        ds = Datastore.open(args.memory / "datastore", readonly=True)
+        index = MemoryIndex(ds, args.memory / "index")
+        version = current_version(args.memory / "index")
+        if version is None:
+            raise SystemExit(f"{args.memory / 'index'} holds no built version")
+        params = BuildInfo.read(args.memory / "index" / version_name(version)).params
+        n = index.num_entries
+        exact = None
+        if args.truth:
+            build_index(ds, work / "exact", IndexParams.exact(), progress=False)
+            exact = MemoryIndex(ds, work / "exact")
+    else:
+        ds = Datastore.open(work / "ds", dim=enc.dim)
+        if len(ds) == 0:
+            mem_outs = cache.get_many([d.text for d in memory_docs])
+            for doc, o in enumerate(mem_outs):
+                ds.append(
+                    o.keys.astype(np.float16), o.targets.astype(np.int32), doc, o.positions, 0
+                )
+        n = len(ds)
+        params = IndexParams.for_size(max(n, FLAT_THRESHOLD), ds.dim)
+        for root, p in (("ivfpq", params), ("exact", IndexParams.exact())):
+            if not (work / root / "CURRENT").exists():
+                t0 = time.perf_counter()
+                build_index(ds, work / root, p, progress=False, threads=args.threads)
+                print(f"built {root} over {n} entries in {time.perf_counter() - t0:.1f} s")
+        index = MemoryIndex(ds, work / "ivfpq")
+        exact = MemoryIndex(ds, work / "exact")
     n_held, n_ingest = sum(len(o) for o in held), sum(len(o) for o in ingest)
     print(
         f"{n} entries ({len(memory_docs)} documents), index {params.kind} nlist {params.nlist} "
@@ -160,9 +193,10 @@ def main() -> None:
     )
     ks = [int(x) for x in args.ks.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
-    truth = {
+    truth = {  # without an exact index: the default depth's ids (filled in below)
         k: [exact.search_values(o.keys, k)[1] for o in (held + ingest if k <= 64 else held)]
         for k in ks
+        if exact is not None
     }
     grid = TuneGrid()
     timed_search(index, held + ingest, 64, None)  # the page cache: every row warm alike
@@ -178,6 +212,8 @@ def main() -> None:
             {d: lambda d=d, o=outs, k=k: timed_search(index, o, k, d) for d in tried},
             args.rounds,
         )
+        if k not in truth:
+            truth[k] = [f[1] for f in results[None][0]]
         for depth in tried:
             found, seconds = results[depth][0], secs[depth]
             f_dev, f_test = found[: len(dev)], found[len(dev) : len(held)]
@@ -229,7 +265,7 @@ def main() -> None:
 
     # --- 2. pointers -----------------------------------------------------------------------
     prow: list[tuple[Any, ...]] = []
-    for k in [int(x) for x in args.pointer_ks.split(",")]:
+    for k in [] if args.no_pointers else [int(x) for x in args.pointer_ks.split(",")]:
         outs = held + ingest if k <= 64 else held
         hits = [int(h) for h in args.min_hits.split(",")]
         if k > 64:  # the held-out searches: the slow ones

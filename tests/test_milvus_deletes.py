@@ -3,6 +3,7 @@ and removes, what is written meanwhile stays, damaged lines, writers racing a se
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from memlm.memory.base import Neighbours
 from memlm.memory.milvus_client import entry_ids
-from memlm.memory.milvus_deletes import DeleteJournal
+from memlm.memory.milvus_deletes import DeleteJournal, LostDeleteLog
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -125,3 +126,23 @@ def test_searches_and_pages_lose_exactly_the_entries_it_names(journal: DeleteJou
     assert rest is not None
     assert rest[1].tolist() == [1, 4] and rest[0].tolist() == [[0, 1], [6, 7]]
     assert journal.without(tuple(a[1:3] for a in page)) is None  # type: ignore[arg-type]
+
+
+def test_lost_delete_warnings_come_once_a_minute_with_the_count(caplog) -> None:
+    """A lost delete is served to every search until the next build: the log says so
+    once per interval, counting every row hidden since its last line."""
+    now = [0.0]
+    lost = LostDeleteLog(every=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="memlm.memory.milvus_deletes"):
+        lost.note("c", 0)  # nothing hidden: no line
+        for _ in range(100):
+            lost.note("c", 3)
+        now[0] = 59.0
+        lost.note("c", 1)
+        now[0] = 61.0
+        lost.note("c", 2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "served 3 deleted entries" in lines[0]
+    assert "served 300 deleted entries" in lines[1]  # 99 x 3 + 1 + 2 since the first
+    assert lost.total == 303

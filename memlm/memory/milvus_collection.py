@@ -60,7 +60,7 @@ from memlm.memory.milvus_client import (
     server_away,
     utility,
 )
-from memlm.memory.milvus_deletes import DeleteJournal
+from memlm.memory.milvus_deletes import DeleteJournal, LostDeleteLog
 from memlm.memory.milvus_generations import (
     generation_name,
     generations,
@@ -112,6 +112,7 @@ class MilvusCollection:
         self._unsealed = 0  # rows this handle wrote since it last sealed (``_sealed``)
         # lasting deletes since the last build (a data directory's file: MilvusMemory)
         self.deletes = DeleteJournal(None)
+        self.lost_deletes = LostDeleteLog()  # one warning a minute, not one a search
         self.base = url.collection
         self._handles: dict[str, Collection] = {}
         served = resolve(self.base, self.alias, self.timeout)
@@ -501,12 +502,7 @@ class MilvusCollection:
         retired, not yet settled by a build): none where the server applied the deletes;
         where it lost one, the row's others move up and it ends padded (inf, -1, -1)."""
         kept, hidden = self.deletes.hide(found)
-        if hidden:
-            log.warning(
-                "Milvus collection %s served %d deleted entries (a delete the server lost): hidden",
-                self.collection.name,
-                hidden,
-            )
+        self.lost_deletes.note(self.collection.name, hidden)
         return kept
 
     @mapped

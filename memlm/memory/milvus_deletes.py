@@ -27,7 +27,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -202,3 +203,34 @@ def _read_all(fd: int) -> bytes:
     while chunk := os.read(fd, 1 << 20):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class LostDeleteLog:
+    """The warning that a search hid deleted rows a server served, at most once per
+    ``every`` seconds (a lost delete is served to every search until the next build):
+    each line counts the rows hidden since the last one. Thread-safe."""
+
+    def __init__(self, every: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: float | None = None
+        self._pending = 0  # hidden since the last line
+        self.total = 0  # hidden in this process's lifetime
+
+    def note(self, collection: str, hidden: int) -> None:
+        if hidden <= 0:
+            return
+        with self._lock:
+            self.total += hidden
+            self._pending += hidden
+            now = self._clock()
+            if self._last is not None and now - self._last < self.every:
+                return
+            count, self._pending, self._last = self._pending, 0, now
+        log.warning(
+            "Milvus collection %s served %d deleted entries since the last warning "
+            "(a delete the server lost): hidden; the next build deletes them again",
+            collection,
+            count,
+        )
