@@ -347,7 +347,8 @@ def _set_diff(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> float:
 
 def search_paths(args: argparse.Namespace) -> None:
     """IVF-PQ search_values with and without the precomputed table (MEMLM_PQ_TABLE_MB)
-    and the broadcast re-rank (search.RERANK_BROADCAST), side by side and interleaved.
+    and the broadcast re-rank (search.RERANK_BROADCAST) in one piece or in cache-sized
+    pieces (search.RERANK_CHUNK_ELEMENTS), side by side and interleaved.
 
     k = 64 is MoNIM's ingest search (the served k; 1,024 candidates re-ranked), k = 1,024
     the held-out search (4,096 candidates).  Queries are news-like: data points plus noise,
@@ -355,11 +356,16 @@ def search_paths(args: argparse.Namespace) -> None:
     """
     import memlm.index.search as search_mod
 
-    configs = {  # name: (table MB, broadcast re-rank)
-        "baseline (no table, numpy re-rank)": ("0", False),
-        "precomputed table": ("4096", False),
-        "broadcast re-rank": ("0", True),
-        "both (default)": ("4096", True),
+    configs = {  # name: (table MB, broadcast re-rank, its float32 piece in elements)
+        "baseline (no table, numpy re-rank)": ("0", False, 0),
+        "precomputed table": ("4096", False, 0),
+        "broadcast re-rank": ("0", True, 0),
+        "both, re-rank in one piece": ("4096", True, 0),
+        "both, re-rank in cache-sized pieces (default)": (
+            "4096",
+            True,
+            search_mod.RERANK_CHUNK_ELEMENTS,
+        ),
     }
     rows = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -379,9 +385,10 @@ def search_paths(args: argparse.Namespace) -> None:
                 best: dict[str, float] = {}
                 ids: dict[str, npt.NDArray[np.int64]] = {}
                 for _ in range(args.repeat):
-                    for name, (mb, broadcast) in configs.items():
+                    for name, (mb, broadcast, piece) in configs.items():
                         os.environ["MEMLM_PQ_TABLE_MB"] = mb
                         search_mod.RERANK_BROADCAST = broadcast
+                        search_mod.RERANK_CHUNK_ELEMENTS = piece
                         mem = MemoryIndex(ds, Path(tmp) / f"ix-{n}")
                         mem.search_values(q[:8], k)  # warm the pages
                         t = time.perf_counter()

@@ -250,6 +250,11 @@ def test_pq_table_and_broadcast_rerank_change_speed_not_results(
     assert (off, on) == ("-1", "1")
     np.testing.assert_array_equal(i1, i0)
     np.testing.assert_array_equal(d1, d0)
+    for chunk in (0, 1, 8000):  # one piece; one candidate at a time; 5 (64 = 12 x 5 + 4)
+        monkeypatch.setattr(search_mod, "RERANK_CHUNK_ELEMENTS", chunk)
+        _, dc, ic = searched()
+        np.testing.assert_array_equal(ic, i0)
+        np.testing.assert_array_equal(dc, d0)  # to the bit: the same sums, piece by piece
     monkeypatch.setattr(search_mod, "RERANK_BROADCAST", False)  # numpy's general path
     _, d2, i2 = searched()
     np.testing.assert_array_equal(i2, i0)
