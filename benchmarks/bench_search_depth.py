@@ -10,7 +10,7 @@ them against that memory.
 1. **Depth**: every (k, depth) the callers might ask for, side by side with today's
    default depth (max(4 k, 1024)) in one run: held-out tokens searched per second,
    recall@k against the exact search, test ppl (k, T, lambda tuned on dev over the grid's
-   k <= k, as ``memlm eval`` does), the ppl at the old row's tuned values (the search's
+   k <= k, as ``memlm eval`` does), the ppl at the default row's tuned values (the search's
    own effect) and, at k <= 64, the share of MoNIM decisions that change (the constant
    the service would tune on the same dev tokens).
 2. **Pointers**: ``memlm.memory.pointers.PointerSearch`` on the same tokens against the
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from _common import load_average, markdown_table
 
+import memlm.index.search as search_mod
 from memlm.calibrator.constant import SERVED_GRID, TuneGrid, ppl, token_logprobs, tune
 from memlm.corpus import load_corpus
 from memlm.datastore import Datastore
@@ -99,6 +100,21 @@ def timed_search(index: MemoryIndex, outs: Sequence[TokenOutputs], k: int, depth
     return found, time.perf_counter() - t0
 
 
+ONE_PIECE = "one piece"
+
+
+def one_piece(index: MemoryIndex, outs: Sequence[TokenOutputs], k: int):
+    """``timed_search`` at the default depth with the re-rank's float32 conversion in one
+    piece (``RERANK_CHUNK_ELEMENTS = 0``, the code before the cache-sized pieces): the
+    same distances to the bit, the old speed."""
+    saved = search_mod.RERANK_CHUNK_ELEMENTS
+    search_mod.RERANK_CHUNK_ELEMENTS = 0
+    try:
+        return timed_search(index, outs, k, None)
+    finally:
+        search_mod.RERANK_CHUNK_ELEMENTS = saved
+
+
 def best_seconds(runs: dict[Any, Any], rounds: int) -> tuple[dict[Any, float], dict[Any, Any]]:
     """The fastest of ``rounds`` timings of each path, the paths alternated (forwards, then
     backwards) so that a change in the machine's load hits them alike; and each path's
@@ -134,6 +150,9 @@ def main() -> None:
     ap.add_argument("--split", type=Path, default=None, help="that run's split.json")
     ap.add_argument("--truth", action="store_true", help="with --memory: exact ground truth")
     ap.add_argument("--no-pointers", action="store_true", help="the depth table only")
+    ap.add_argument(
+        "--one-piece", action="store_true", help="a row for the re-rank converted in one piece"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
@@ -206,16 +225,18 @@ def main() -> None:
     base: dict[int, dict[str, Any]] = {}
     for k in ks:
         default = params.rerank_depth(k)
-        tried = [None] + sorted({d for d in depths if k <= d < default}, reverse=True)
+        tried: list[Any] = [None] + sorted({d for d in depths if k <= d < default}, reverse=True)
         outs = held + ingest if k <= 64 else held
-        secs, results = best_seconds(
-            {d: lambda d=d, o=outs, k=k: timed_search(index, o, k, d) for d in tried},
-            args.rounds,
-        )
+        paths = {d: lambda d=d, o=outs, k=k: timed_search(index, o, k, d) for d in tried}
+        if args.one_piece:  # the default depth, its re-rank converted in one piece
+            paths = {ONE_PIECE: lambda o=outs, k=k: one_piece(index, o, k)} | paths
+            tried = [None, ONE_PIECE] + tried[1:]
+        secs, results = best_seconds(paths, args.rounds)
         if k not in truth:
             truth[k] = [f[1] for f in results[None][0]]
-        for depth in tried:
-            found, seconds = results[depth][0], secs[depth]
+        for key in tried:
+            depth = None if key == ONE_PIECE else key
+            found, seconds = results[key][0], secs[key]
             f_dev, f_test = found[: len(dev)], found[len(dev) : len(held)]
             kgrid = TuneGrid(tuple(x for x in grid.ks if x <= k), grid.temperatures, grid.lambdas)
             tuned, _ = tune(split_of(dev, f_dev), kgrid)
@@ -223,7 +244,7 @@ def main() -> None:
             p_test = ppl(token_logprobs(test_split, tuned))
             rec = recall([f[1] for f in found[: len(held)]], truth[k][: len(held)])
             changed = ""
-            if depth is None:
+            if key is None:
                 base[k] = {"params": tuned, "ppl": p_test}
                 if k <= 64:
                     served, _ = tune(split_of(dev, f_dev), SERVED_GRID)
@@ -236,8 +257,10 @@ def main() -> None:
             rows.append(
                 (
                     k,
-                    f"{params.rerank_depth(k, depth)}" + (" (old)" if depth is None else ""),
+                    f"{params.rerank_depth(k, depth)}"
+                    + {None: " (default)", ONE_PIECE: " (default, one-piece re-rank)"}.get(key, ""),
                     f"{sum(len(o) for o in outs) / seconds:,.0f}",
+                    f"{secs[ONE_PIECE if args.one_piece else None] / seconds:.2f}x",
                     f"{rec:.3f}",
                     f"{p_test:.3f}",
                     f"{tuned.k}/{tuned.temperature:g}/{tuned.lmbda:g}",
@@ -253,10 +276,11 @@ def main() -> None:
                 "k",
                 "depth",
                 "queries/s",
-                "recall@k",
+                "vs " + ("the one-piece default" if args.one_piece else "the default"),
+                "recall@k" + ("" if exact is not None else " (of the default's ids)"),
                 "test ppl (tuned)",
                 "tuned k/T/lambda",
-                "test ppl at old row's values",
+                "test ppl at the default row's values",
                 "MoNIM decisions changed",
             ],
             rows,
@@ -309,21 +333,22 @@ def main() -> None:
                 )
             )
             print(prow[-1], flush=True)
-    print(f"\nload average after: {load_average()}\n")
-    print(
-        markdown_table(
-            [
-                "k",
-                "path",
-                "tokens/s",
-                "searches saved",
-                "recall of the full search's ids",
-                "test ppl at the full search's values",
-                "MoNIM decisions changed",
-            ],
-            prow,
+    if prow:
+        print(f"\nload average after: {load_average()}\n")
+        print(
+            markdown_table(
+                [
+                    "k",
+                    "path",
+                    "tokens/s",
+                    "searches saved",
+                    "recall of the full search's ids",
+                    "test ppl at the full search's values",
+                    "MoNIM decisions changed",
+                ],
+                prow,
+            )
         )
-    )
     tmp.cleanup()
 
 
