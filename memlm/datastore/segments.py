@@ -201,8 +201,12 @@ class _Segments:
         if idx.size == 0:
             return idx, []
         total, cap = self._m.total, self._m.max_segment_entries
-        if idx.min() < 0 or idx.max() >= total:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= total:
             raise DatastoreError(f"ids out of range [0, {total})")
+        if lo // cap == hi // cap:  # one segment (the usual case): no grouping
+            seg = lo // cap
+            return idx, [(seg, np.arange(idx.size), self._rows_of(seg, idx - seg * cap))]
         seg_of = idx // cap
         out = []
         for seg in np.unique(seg_of):
