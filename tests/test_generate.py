@@ -172,3 +172,35 @@ def test_engine_refuses_empty_and_too_long_contexts(engine: Engine) -> None:
     with pytest.raises(EngineInputError, match="positions"):
         engine.start_generation(too_long, GenerateConfig(max_tokens=1))
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_the_nucleus_from_the_top_tokens_is_the_full_sorts() -> None:
+    """top-p looks for its nucleus among the most probable tokens first: the kept set,
+    its order and the seeded draw equal the whole vocabulary's stable sort, for peaked
+    and flat distributions, ties at the cut, and masses the prefix cannot reach."""
+    from memlm.engine.generation import nucleus
+
+    def full(q: np.ndarray, top_p: float) -> np.ndarray:
+        order = np.argsort(-q, kind="stable")
+        return order[np.cumsum(q[order]) - q[order] < top_p]
+
+    rng = np.random.default_rng(0)
+    vocab = 49_152
+    cases = []
+    for scale in (0.3, 1.0, 3.0, 8.0):  # flat to peaked logits
+        z = rng.standard_normal(vocab) * scale
+        q = np.exp(z - z.max())
+        cases.append(q / q.sum())
+    tied = np.full(vocab, 1.0)
+    tied[:300] = 50.0  # 300 tokens tied across the 256-token prefix's edge
+    cases.append(tied / tied.sum())
+    for q in cases:
+        for top_p in (1e-9, 0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999999):
+            np.testing.assert_array_equal(nucleus(q, top_p), full(q, top_p))
+        cfg = GenerateConfig(temperature=1.0, top_p=0.9)
+        drawn = [choose(q, cfg, np.random.default_rng(s)) for s in range(20)]
+        keep = full(q, 0.9)
+        q2 = np.zeros_like(q)
+        q2[keep] = q[keep]
+        want = [int(np.random.default_rng(s).choice(vocab, p=q2 / q2.sum())) for s in range(20)]
+        assert drawn == want

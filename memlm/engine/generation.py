@@ -96,6 +96,36 @@ def top_tokens(prob: np.ndarray, n: int) -> list[int]:
     return [int(t) for t in best[np.argsort(-prob[best], kind="stable")]]
 
 
+# tokens the nucleus is first looked for among (the most probable ones); more only when
+# their mass falls short of top_p
+NUCLEUS_PREFIX = 256
+
+
+def nucleus(q: np.ndarray, top_p: float) -> np.ndarray:
+    """The tokens top-p keeps, most probable first (ties by token id): each token whose
+    mass before it, in that order, is below ``top_p`` (the first always stays).
+
+    The order is needed only as far as the mass reaches ``top_p``: the ``NUCLEUS_PREFIX``
+    most probable tokens (with every token tied with the last of them) are sorted first,
+    and when their mass reaches ``top_p`` the tokens after them can keep none, so the
+    answer is the full stable sort's (the same values added in the same order) without
+    sorting the whole vocabulary. Otherwise the whole vocabulary is sorted.
+    """
+    if len(q) > 4 * NUCLEUS_PREFIX:
+        top = np.argpartition(-q, NUCLEUS_PREFIX - 1)[:NUCLEUS_PREFIX]
+        cand = np.flatnonzero(q >= q[top].min())  # ascending ids: ties keep id order
+        order = cand[np.argsort(-q[cand], kind="stable")]
+        mass = np.cumsum(q[order])
+        # the margin covers the rounding of the full sort's (sum + q) - q for the first
+        # token left out, whose mass before it is then >= top_p as well
+        if mass[-1] >= top_p + 1e-9:
+            return order[mass - q[order] < top_p]
+    order = np.argsort(-q, kind="stable")
+    # keep tokens until the mass before them reaches top_p (the first always stays)
+    before = np.cumsum(q[order]) - q[order]
+    return order[before < top_p]
+
+
 def choose(prob: np.ndarray, cfg: GenerateConfig, rng: np.random.Generator | None) -> int:
     """The next token from a (V,) distribution: argmax, or a temperature / top-p draw."""
     if cfg.greedy:
@@ -108,10 +138,7 @@ def choose(prob: np.ndarray, cfg: GenerateConfig, rng: np.random.Generator | Non
         q = np.exp((logp - logp.max()) / cfg.temperature)
     q /= q.sum()
     if cfg.top_p < 1.0:
-        order = np.argsort(-q, kind="stable")
-        # keep tokens until the mass before them reaches top_p (the first always stays)
-        before = np.cumsum(q[order]) - q[order]
-        keep = order[before < cfg.top_p]
+        keep = nucleus(q, cfg.top_p)
         q2 = np.zeros_like(q)
         q2[keep] = q[keep]
         q = q2 / q2.sum()
