@@ -23,9 +23,9 @@ them against that memory.
 The encode (bfloat16, one thread) fills the cache the first time; later runs read it.
 
 At the whole stream's size: ``--memory RUN/work/fullmem --split RUN/split.json`` searches
-the memory a ``memlm eval`` run kept (its datastore and the last index it built, e.g.
-2.5M entries under IVF-PQ) with the held-out documents of that run's split, instead of
-building a slice's memory. The exact ground truth then costs a flat index over every
+the memory a ``memlm eval --keep-stores`` run kept (its datastore and the last index it
+built, e.g. 2.5M entries under IVF-PQ) with the held-out documents of that run's split,
+instead of building a slice's memory. The exact ground truth then costs a flat index over every
 entry (float32 in RAM: 5.8 GB at 2.5M) and is only built with ``--truth``; without it,
 recall is measured against the default depth's ids.
 """
@@ -175,8 +175,9 @@ def main() -> None:
     cache = TokenCache(enc, WindowConfig())
     memory_docs = [d for p in plans[:-1] for d in p.train]
     ingest = cache.get_many([d.text for d in plans[-1].train][: args.ingest_docs])
-    dev = cache.get_many([d.text for p in plans for d in p.dev][: args.held_docs])
-    test = cache.get_many([d.text for p in plans for d in p.test][: args.held_docs])
+    dev_texts = [d.text for p in plans for d in p.dev][: args.held_docs]
+    test_texts = [d.text for p in plans for d in p.test][: args.held_docs]
+    dev, test = cache.get_many(dev_texts), cache.get_many(test_texts)
     held = dev + test
     tmp = tempfile.TemporaryDirectory()
     work = args.workdir or Path(tmp.name)
@@ -226,10 +227,7 @@ def main() -> None:
     timed_search(index, held + ingest, 64, None)  # the page cache: every row warm alike
     fwd_rate = None
     if args.forward:  # the evaluation's own forward (keys and LM statistics), no memory
-        held_texts = [d.text for p in plans for d in p.dev][: args.held_docs] + [
-            d.text for p in plans for d in p.test
-        ][: args.held_docs]
-        ids = [enc.tokenize(t) for t in held_texts]
+        ids = [enc.tokenize(t) for t in dev_texts + test_texts]
         t0 = time.perf_counter()
         enc.encode_many(ids, cache.window)
         fwd_rate = n_held / (time.perf_counter() - t0)
@@ -242,6 +240,7 @@ def main() -> None:
         default = params.rerank_depth(k)
         tried: list[Any] = [None] + sorted({d for d in depths if k <= d < default}, reverse=True)
         outs = held + ingest if k <= 64 else held
+        n_outs = sum(len(o) for o in outs)
         paths = {d: lambda d=d, o=outs, k=k: timed_search(index, o, k, d) for d in tried}
         if args.one_piece:  # the default depth, its re-rank converted in one piece
             paths = {ONE_PIECE: lambda o=outs, k=k: one_piece(index, o, k)} | paths
@@ -274,12 +273,10 @@ def main() -> None:
                     k,
                     f"{params.rerank_depth(k, depth)}"
                     + {None: " (default)", ONE_PIECE: " (default, one-piece re-rank)"}.get(key, ""),
-                    f"{sum(len(o) for o in outs) / seconds:,.0f}",
+                    f"{n_outs / seconds:,.0f}",
                     f"{secs[ONE_PIECE if args.one_piece else None] / seconds:.2f}x",
                     # a kNN-LM evaluation pays the forward and the search of each token
-                    ""
-                    if fwd_rate is None
-                    else f"{1 / (1 + fwd_rate * seconds / sum(len(o) for o in outs)):.2f}x",
+                    "" if fwd_rate is None else f"{1 / (1 + fwd_rate * seconds / n_outs):.2f}x",
                     f"{rec:.3f}",
                     f"{p_test:.3f}",
                     f"{tuned.k}/{tuned.temperature:g}/{tuned.lmbda:g}",
